@@ -1,0 +1,37 @@
+"""Shared pytest configuration: run asyncio tests on uvloop, as the daemon does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+    uvloop = None
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], Any]]:
+    """Give every asyncio test a uvloop event loop (plain asyncio where uvloop is missing)."""
+    if uvloop is None:
+        import asyncio
+
+        return {"asyncio": asyncio.new_event_loop}
+    return {"uvloop": uvloop.new_event_loop}
+
+
+# --- daemon harness (kvsidecar.daemon tests): see tests/harness.py ----------------------------
+@pytest.fixture
+def daemon_config():  # type: ignore[no-untyped-def]
+    """A fresh `Config` in its own short temp runtime dir (removed afterwards)."""
+    import shutil
+
+    from tests.harness import make_config
+
+    config = make_config()
+    yield config
+    shutil.rmtree(config.runtime_dir, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Subprocess entry points for tests that need a second, unrelated process."""
