@@ -1,0 +1,235 @@
+"""The notify protocol against a real NOTIFY_SOCKET: these tests play systemd's side.
+
+A bound AF_UNIX datagram socket stands in for the service manager. A thread reads it and stamps
+each datagram with its arrival time, so the receiver keeps running while the event loop under test
+is deliberately blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.sdnotify import Notifier, watchdog_loop
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class FakeSystemd:
+    """The service manager's end of NOTIFY_SOCKET: records (arrival time, payload) pairs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        address = "\0" + name[1:] if name.startswith("@") else name
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(address)
+        self.sock.settimeout(0.05)
+        self.received: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.received.append((time.monotonic(), data.decode()))
+
+    def messages(self) -> list[str]:
+        return [payload for _, payload in self.received]
+
+    def times_of(self, payload: str) -> list[float]:
+        return [t for t, p in self.received if p == payload]
+
+    def wait_for(self, count: int, timeout: float = 2.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while len(self.received) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.messages()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+@pytest.fixture
+def systemd_path() -> Iterator[FakeSystemd]:
+    # mkdtemp under /tmp: pytest's tmp_path can exceed the 108-byte limit of sun_path.
+    directory = tempfile.mkdtemp(prefix="kvs-notify-", dir="/tmp")
+    fake = FakeSystemd(os.path.join(directory, "notify"))
+    try:
+        yield fake
+    finally:
+        fake.close()
+        with contextlib.suppress(OSError):
+            os.unlink(fake.name)
+        os.rmdir(directory)
+
+
+@pytest.fixture
+def systemd_abstract() -> Iterator[FakeSystemd]:
+    fake = FakeSystemd(f"@kvsidecar-test-{uuid.uuid4().hex}")
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def test_lifecycle_messages_arrive(systemd_path: FakeSystemd) -> None:
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": systemd_path.name})
+    assert notifier.enabled
+    assert notifier.ready()
+    assert notifier.status("serving 2 engines")
+    assert notifier.watchdog()
+    assert notifier.stopping("draining\n3 moves")
+    messages = systemd_path.wait_for(4)
+    assert messages == [
+        "READY=1",
+        "STATUS=serving 2 engines",
+        "WATCHDOG=1",
+        # A newline would start a new assignment: the status is kept on one line.
+        "STOPPING=1\nSTATUS=draining 3 moves",
+    ]
+    notifier.close()
+
+
+def test_abstract_namespace_socket(systemd_abstract: FakeSystemd) -> None:
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": systemd_abstract.name})
+    assert notifier.ready("up")
+    assert notifier.extend_timeout(1.5)
+    assert systemd_abstract.wait_for(2) == ["READY=1\nSTATUS=up", "EXTEND_TIMEOUT_USEC=1500000"]
+    notifier.close()
+
+
+def test_no_notify_socket_is_a_noop() -> None:
+    notifier = Notifier.from_env({})
+    assert not notifier.enabled
+    assert not notifier.ready()
+    assert not notifier.stopping()
+    assert not notifier.status("x")
+    assert not notifier.watchdog()
+    # No socket, so no watchdog either, even if systemd set WATCHDOG_USEC.
+    assert Notifier.from_env({"WATCHDOG_USEC": "1000000"}).watchdog_interval() is None
+
+
+def test_unsupported_or_missing_socket_does_not_raise(tmp_path: Path) -> None:
+    assert not Notifier.from_env({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
+    gone = Notifier.from_env({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
+    assert gone.enabled
+    assert not gone.ready()  # ENOENT: logged, not raised
+
+
+def test_unset_environment(monkeypatch: pytest.MonkeyPatch, systemd_path: FakeSystemd) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", systemd_path.name)
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    notifier = Notifier.from_env(unset_environment=True)
+    assert notifier.watchdog_interval() == 1.0
+    assert "NOTIFY_SOCKET" not in os.environ
+    assert "WATCHDOG_USEC" not in os.environ
+    assert "WATCHDOG_PID" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"WATCHDOG_USEC": "3000000"}, 1.5),
+        ({"WATCHDOG_USEC": "3000000", "WATCHDOG_PID": "{pid}"}, 1.5),
+        ({"WATCHDOG_USEC": "3000000", "WATCHDOG_PID": "1"}, None),  # meant for another process
+        ({"WATCHDOG_USEC": "3000000", "WATCHDOG_PID": "junk"}, None),
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "-5"}, None),
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_watchdog_interval(
+    systemd_path: FakeSystemd, env: dict[str, str], expected: float | None
+) -> None:
+    env = {k: v.format(pid=os.getpid()) for k, v in env.items()}
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": systemd_path.name, **env})
+    assert notifier.watchdog_interval() == expected
+
+
+async def test_watchdog_pings_at_cadence_and_stop_when_loop_blocks(
+    systemd_path: FakeSystemd,
+) -> None:
+    interval = 0.05
+    block = 0.5
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": systemd_path.name})
+    task = asyncio.create_task(watchdog_loop(notifier, interval))
+    try:
+        await asyncio.sleep(0.5)
+        steady = systemd_path.times_of("WATCHDOG=1")
+        # About 10 pings in 0.5 s; a loaded CI box may lose a few, never gain many.
+        assert 5 <= len(steady) <= 12, steady
+        gaps = [b - a for a, b in itertools.pairwise(steady)]
+        assert max(gaps) < 4 * interval, gaps
+
+        # Stall the event loop the way a copy run on it by mistake would.
+        before_block = time.monotonic()
+        time.sleep(block)
+        after_block = time.monotonic()
+        await asyncio.sleep(0.3)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        notifier.close()
+
+    pings = systemd_path.times_of("WATCHDOG=1")
+    assert not [t for t in pings if before_block + 0.01 < t < after_block - 0.01]
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
+    assert max(gaps) >= block * 0.9, gaps
+    # ... and the pings come back once the loop runs again.
+    assert [t for t in pings if t > after_block]
+
+
+async def test_watchdog_withholds_pings_while_unhealthy(systemd_path: FakeSystemd) -> None:
+    state = "ok"
+
+    def check() -> bool:
+        if state == "raise":
+            raise RuntimeError("executor state unknown")
+        return state == "ok"
+
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": systemd_path.name})
+    task = asyncio.create_task(watchdog_loop(notifier, 0.02, healthy=check))
+    try:
+        await asyncio.sleep(0.15)
+        state = "failing"
+        await asyncio.sleep(0.03)  # let a ping in flight land
+        count = len(systemd_path.times_of("WATCHDOG=1"))
+        assert count >= 3
+        await asyncio.sleep(0.15)
+        assert len(systemd_path.times_of("WATCHDOG=1")) == count
+        state = "raise"
+        await asyncio.sleep(0.1)
+        assert len(systemd_path.times_of("WATCHDOG=1")) == count
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        notifier.close()
+
+
+async def test_watchdog_loop_rejects_a_bad_interval() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        await watchdog_loop(Notifier(None), 0)
