@@ -1,0 +1,266 @@
+"""Block-copy benchmark: kvsidecar.mover against a naive per-layer copy and raw memcpy, one run.
+
+Each layer is one K-or-V tensor of shape (num_blocks, 16, 8, 128) float16 (32 KiB per block);
+``--blocks`` block ids move per layer. With the defaults, 32 layers x 4096 blocks are 4 GiB per
+side and 512 blocks x 32 layers = 512 MiB move per copy. Two id sets: random distinct ids, and
+runs of ``--run-length`` consecutive ids on both sides. Measured, as GB/s (1e9 bytes/s):
+
+- mover: ``validate_move`` + ``plan_runs`` + ``copy_runs``, with the layers allocated as one
+  region (they stack) and as separate tensors (they do not), at the default thread count and at 1;
+- naive: per layer ``dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))``, at torch's
+  default intra-op thread count and at 1 (ratios use the faster of the two);
+- memcpy: ``np.copyto`` of the same number of bytes between two contiguous buffers.
+
+The machine is shared, so the methods of one (layout, ids) pair are timed round-robin, one call
+each per round, and every ratio compares medians from the same rounds. At most two caches (8 GiB
+with the defaults) plus 2 x the moved bytes are alive at once. Every buffer is written before
+timing so no page faults are measured, and every method's result is checked once.
+
+    .venv/bin/python benchmarks/bench_mover.py [--layers 32] [--blocks 512] [--repeat 7]
+        [--num-blocks 4096] [--run-length 16] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsidecar import mover
+
+BLOCK_SHAPE = (16, 8, 128)  # block_size, num_kv_heads, head_size
+DTYPE = torch.float16
+TORCH_THREADS = torch.get_num_threads()
+
+
+def make_ids(kind: str, count: int, num_blocks: int, run: int, rng: np.random.Generator):
+    if kind == "random":
+        return (
+            rng.choice(num_blocks, count, replace=False),
+            rng.choice(num_blocks, count, replace=False),
+        )
+    runs = -(-count // run)
+
+    def side() -> np.ndarray:
+        starts = rng.choice(num_blocks // run, runs, replace=False) * run
+        return (starts[:, None] + np.arange(run)).ravel()[:count]
+
+    return side(), side()
+
+
+def round_robin(
+    methods: list[tuple[str, Callable[[], Any]]], repeat: int, nbytes: int
+) -> dict[str, list[float]]:
+    """GB/s of each method, timed in turns so that all see the same background load."""
+    rates: dict[str, list[float]] = {name: [] for name, _ in methods}
+    for _ in range(repeat):
+        for name, fn in methods:
+            start = time.perf_counter()
+            fn()
+            rates[name].append(nbytes / (time.perf_counter() - start) / 1e9)
+    return rates
+
+
+def mark_blocks(views: list[torch.Tensor]) -> None:
+    """Write (layer, block) into each block's first two int16s, to check the copy afterwards."""
+    for layer, view in enumerate(views):
+        flat = view.view(torch.int16).view(view.shape[0], -1)
+        flat[:, 0] = torch.arange(view.shape[0], dtype=torch.int16)
+        flat[:, 1] = layer
+
+
+def check_blocks(dst: list[torch.Tensor], src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    d_idx = torch.from_numpy(dst_ids)
+    for layer, view in enumerate(dst):
+        flat = view.view(torch.int16).view(view.shape[0], -1)
+        got = flat.index_select(0, d_idx)[:, :2]
+        assert torch.equal(got[:, 0], torch.from_numpy(src_ids).to(torch.int16)), layer
+        assert bool((got[:, 1] == layer).all()), layer
+
+
+def allocate(layers: int, num_blocks: int, region: bool) -> list[torch.Tensor]:
+    shape = (num_blocks, *BLOCK_SHAPE)
+    if region:
+        whole = torch.empty((layers, *shape), dtype=DTYPE)
+        whole.fill_(0)  # touch every page now
+        return list(whole.unbind(0))
+    views = []
+    for _ in range(layers):
+        t = torch.empty(shape, dtype=DTYPE)
+        t.fill_(0)
+        views.append(t)
+    return views
+
+
+def bench_ids(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    memcpy_bufs: tuple[np.ndarray, np.ndarray],
+    layout: str,
+    kind: str,
+    ids: tuple[np.ndarray, np.ndarray],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    nbytes = args.layers * args.blocks * int(np.prod(BLOCK_SHAPE)) * DTYPE.itemsize
+    src_ids, dst_ids = ids
+    # ids arrive from ZeroMQ as raw little-endian int32 frames
+    s_frame = np.frombuffer(src_ids.astype("<i4").tobytes(), dtype="<i4")
+    d_frame = np.frombuffer(dst_ids.astype("<i4").tobytes(), dtype="<i4")
+    s_idx, d_idx = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
+
+    def run_copy(threads: int | None) -> Callable[[], Any]:
+        def go() -> None:
+            mover.validate_move(
+                s_frame, d_frame, src_num_blocks=args.num_blocks, dst_num_blocks=args.num_blocks
+            )
+            plan = mover.plan_runs(s_frame, d_frame)
+            mover.copy_runs(src, dst, plan, threads=threads)
+
+        return go
+
+    def naive(torch_threads: int) -> Callable[[], Any]:
+        def go() -> None:
+            before = torch.get_num_threads()
+            torch.set_num_threads(torch_threads)
+            try:
+                for s_t, d_t in zip(src, dst, strict=True):
+                    d_t.index_copy_(0, d_idx, s_t.index_select(0, s_idx))
+            finally:
+                torch.set_num_threads(before)
+
+        return go
+
+    def memcpy() -> None:
+        np.copyto(memcpy_bufs[1], memcpy_bufs[0])
+
+    threads = mover.default_copy_threads() if args.threads is None else args.threads
+    methods = [
+        ("memcpy (np.copyto, contiguous)", memcpy),
+        (f"mover, {threads} threads", run_copy(args.threads)),
+        ("mover, 1 thread", run_copy(1)),
+        (f"naive index_copy_, torch {TORCH_THREADS} threads", naive(TORCH_THREADS)),
+        ("naive index_copy_, torch 1 thread", naive(1)),
+    ]
+    for name, fn in methods:  # warm-up and check, untimed
+        for view in dst:
+            view.view(torch.int16).view(view.shape[0], -1)[:, :2] = -1
+        fn()
+        if name != methods[0][0]:
+            check_blocks(dst, src_ids, dst_ids)
+    rates = round_robin(methods, args.repeat, nbytes)
+    runs = len(mover.plan_runs(src_ids, dst_ids))
+    rows = []
+    for name, _ in methods:
+        rows.append(
+            {"layout": layout, "ids": kind, "runs": runs, "method": name, "gbps": rates[name]}
+        )
+        print(f"  {layout:16s} {kind:7s} {name:38s} {statistics.median(rates[name]):6.2f} GB/s")
+    return rows
+
+
+def bench_layout(
+    region: bool,
+    args: argparse.Namespace,
+    id_sets: dict[str, tuple[np.ndarray, np.ndarray]],
+    memcpy_bufs: tuple[np.ndarray, np.ndarray],
+) -> list[dict[str, Any]]:
+    src = allocate(args.layers, args.num_blocks, region)
+    dst = allocate(args.layers, args.num_blocks, region)
+    mark_blocks(src)
+    layout = "one region" if region else "separate tensors"
+    rows = []
+    for kind, ids in id_sets.items():
+        rows += bench_ids(src, dst, memcpy_bufs, layout, kind, ids, args)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows, with ratios against the same (layout, ids) block's naive and memcpy."""
+    lines = [
+        "| layout | ids | runs | method | GB/s median | min-max | vs naive | vs memcpy |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        r["median"] = statistics.median(r["gbps"])
+    for r in rows:
+        block = [o for o in rows if (o["layout"], o["ids"]) == (r["layout"], r["ids"])]
+        # against the faster of the two naive variants
+        naive = max(o["median"] for o in block if o["method"].startswith("naive"))
+        memcpy = next(o["median"] for o in block if o["method"].startswith("memcpy"))
+        r.update(vs_naive=r["median"] / naive, vs_memcpy=r["median"] / memcpy)
+        lines.append(
+            f"| {r['layout']} | {r['ids']} | {r['runs']} | {r['method']} | {r['median']:.2f} | "
+            f"{min(r['gbps']):.2f}-{max(r['gbps']):.2f} | {r['vs_naive']:.2f} | "
+            f"{r['vs_memcpy']:.2f} |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=512, help="blocks moved per layer")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="blocks per layer tensor")
+    parser.add_argument("--run-length", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="mover threads (default: auto)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+
+    nbytes = args.layers * args.blocks * int(np.prod(BLOCK_SHAPE)) * DTYPE.itemsize
+    rng = np.random.default_rng(args.seed)
+    id_sets = {
+        "random": make_ids("random", args.blocks, args.num_blocks, 1, rng),
+        f"runs{args.run_length}": make_ids(
+            "runs", args.blocks, args.num_blocks, args.run_length, rng
+        ),
+    }
+    print(
+        f"{args.layers} layers x ({args.num_blocks}, {', '.join(map(str, BLOCK_SHAPE))}) float16, "
+        f"{args.blocks} blocks/layer moved = {nbytes / 2**20:.0f} MiB per copy; "
+        f"torch threads {torch.get_num_threads()}, mover threads "
+        f"{args.threads or mover.default_copy_threads()}, {args.repeat} repeats",
+        flush=True,
+    )
+
+    src_buf = np.empty(nbytes, dtype=np.uint8)
+    dst_buf = np.empty(nbytes, dtype=np.uint8)
+    src_buf.fill(1)  # touch every page now
+    dst_buf.fill(0)
+    rows = bench_layout(True, args, id_sets, (src_buf, dst_buf))
+    gc.collect()  # free one layout's two caches before the next is allocated
+    rows += bench_layout(False, args, id_sets, (src_buf, dst_buf))
+    print()
+    print("\n".join(table(rows)))
+    if args.json:
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "numpy": np.__version__,
+                "torch_threads": torch.get_num_threads(),
+            },
+            "args": vars(args),
+            "moved_bytes": nbytes,
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
