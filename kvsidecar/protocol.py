@@ -7,6 +7,7 @@ ids, block bytes) never travels inside these structs: it rides in raw frames nex
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import msgspec
@@ -62,7 +63,7 @@ class TransferStats(msgspec.Struct, frozen=True):
         return TransferStats(merged)
 
     def is_empty(self) -> bool:
-        """True when no counter was recorded."""
+        """Return True when no counter was recorded."""
         return not self.counters
 
 
@@ -113,3 +114,494 @@ class AggregatedOutput(msgspec.Struct, frozen=True):
     expected_finished_count: int = 0
     kv_connector_stats: TransferStats | None = None
     kv_cache_events: CacheEvents | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Control protocol: commands from engine workers and the replies of the daemon.
+#
+# Framing (see docs/protocol.md): a request is one ZeroMQ multipart message, ``[header, *data]``.
+# ``header`` is a msgpack-encoded `Request`; ``data`` are raw frames whose meaning the command
+# fixes (block-id arrays, little-endian int32 or int64 as ``ids_dtype`` says). A reply has the same
+# shape, ``[header, *data]`` with a msgpack-encoded `Reply`. The ROUTER's routing-id frame is
+# added and stripped by ZeroMQ and is not part of this schema.
+# ---------------------------------------------------------------------------------------------
+
+ErrorCode = Literal[
+    "bad_frame",
+    "unknown_message",
+    "invalid_message",
+    "version_mismatch",
+    "too_large",
+    "unknown_engine",
+    "unknown_worker",
+    "unknown_layer",
+    "already_registered",
+    "incompatible_engine",
+    "handle_error",
+    "out_of_range",
+    "duplicate_destination",
+    "length_mismatch",
+    "incompatible_buffers",
+    "pool_exhausted",
+    "not_allocated",
+    "busy",
+    "shutting_down",
+    "timeout",
+    "internal",
+    # --- peer (node-to-node transfer) ---
+    "incompatible_peer",
+    "peer_unavailable",
+]
+"""The closed set of error codes a daemon replies with; docs/protocol.md explains each."""
+
+ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
+"""`ErrorCode` as a set, for checks at run time."""
+
+IdsDtype = Literal["int32", "int64"]
+"""Element type of a raw block-id frame (little-endian, C order)."""
+
+Medium = Literal["device", "host"]
+"""Which buffer set of a worker: its registered KV cache (``device``, whether GPU memory or CPU
+shared memory) or its mirror region in the daemon's host pool (``host``)."""
+
+
+class WorkerRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Names one registered worker: its engine and its ranks. Unique on a daemon."""
+
+    engine_id: str
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dcp_rank: int = 0
+
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``prefill/tp1.pp0.dcp0``."""
+        return f"{self.engine_id}/tp{self.tp_rank}.pp{self.pp_rank}.dcp{self.dcp_rank}"
+
+
+class BufferSetRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One side of a move: a worker's registered layers, or that worker's host-pool mirror."""
+
+    worker: WorkerRef
+    medium: Medium = "device"
+
+
+class ShmRef(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
+    """A CPU tensor in shared memory whose storage fd was sent on the fd channel.
+
+    ``fd_index`` picks one fd of the message sent under the registration's ``fd_token``; layers
+    that view one storage share an index and are mapped once. The tensor covers ``nbytes`` bytes
+    from ``offset`` in a storage of ``storage_nbytes`` bytes (``memory.shm.ShmHandle``'s fields).
+    """
+
+    fd_index: int
+    storage_nbytes: int
+    offset: int
+    nbytes: int
+
+
+class CudaIpcRef(
+    msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind", forbid_unknown_fields=True
+):
+    """A CUDA tensor exported by CUDA IPC (``memory.cuda_ipc.CudaIpcHandle``'s fields).
+
+    ``ipc_handle``/``storage_*`` locate torch's shared storage, ``ref_counter_*`` its shared
+    reference count, ``event_*`` the event to wait on; the tensor covers ``nbytes`` bytes from
+    ``offset`` within the storage.
+    """
+
+    device: int
+    ipc_handle: bytes
+    storage_nbytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    offset: int
+    nbytes: int
+
+
+HandleRef = ShmRef | CudaIpcRef
+"""How the daemon maps a registered layer's memory."""
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered KV tensor: its name (unique per worker), its layout, and its handle."""
+
+    name: str
+    descriptor: BufferDescriptor
+    handle: HandleRef
+
+
+class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The layout a worker's blocks were written in by a raw copy (the sender's layout)."""
+
+    memory_order: MemoryOrder
+    block_size: int
+
+
+class _Request(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of every request: the client-chosen request id echoed in the reply."""
+
+    id: int
+
+
+class Hello(_Request, tag="hello", frozen=True):
+    """First message of a client: checks protocol versions, learns the daemon's limits."""
+
+    protocol_version: int
+    client_name: str = ""
+
+
+class Register(_Request, tag="register", frozen=True):
+    """Register one worker's KV tensors (all layers at once; all or nothing).
+
+    The fds of ``shm`` layers must have been sent on the fd channel under ``fd_token``, before
+    or at most ``fd_wait_s`` after this request. ``host_blocks`` declares the
+    engine's host-pool capacity in blocks (the first worker of an engine sets it; later ones must
+    agree or send 0).
+    """
+
+    protocol_version: int
+    worker: WorkerRef
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    model_hash: str = ""
+    layers: list[LayerSpec] = []
+    host_blocks: int = 0
+    fd_token: bytes = b""
+    """Token of the fd-channel message that carried the fds of the ``shm`` layers."""
+
+
+class Unregister(_Request, tag="unregister", frozen=True):
+    """Drop a worker: waits for its in-flight moves, frees its mirror, releases its mappings."""
+
+    worker: WorkerRef
+
+
+class Heartbeat(_Request, tag="heartbeat", frozen=True):
+    """Renew the leases of these workers."""
+
+    workers: list[WorkerRef] = []
+
+
+class HostAlloc(_Request, tag="host_alloc", frozen=True):
+    """Allocate ``count`` host-pool blocks of an engine (all or nothing).
+
+    The reply carries the ids in one raw frame of ``ids_dtype``.
+    """
+
+    engine_id: str
+    count: int
+    ids_dtype: IdsDtype = "int64"
+
+
+class HostFree(_Request, tag="host_free", frozen=True):
+    """Free host-pool blocks of an engine. Frame 0: the ids (``ids_dtype``)."""
+
+    engine_id: str
+    ids_dtype: IdsDtype = "int64"
+
+
+class Move(_Request, tag="move", frozen=True):
+    """Copy blocks from one buffer set to another. Frame 0: source ids, frame 1: destination ids.
+
+    With equal block sizes both arrays have the same length and ``dst[i]`` receives ``src[i]``.
+    When the destination's block size is ``r`` times the source's (``r`` = ``block_size_ratio``,
+    inferred from the descriptors), ``len(src) == r * len(dst)`` and destination block ``dst[j]``
+    receives source blocks ``src[r*j : r*j + r]`` in token order. Layouts that differ (HND/NHD)
+    or ``r > 1`` are fixed on the destination after the raw copy. ``layers`` restricts the move to
+    these layer names (default: every layer of the source).
+    """
+
+    src: BufferSetRef
+    dst: BufferSetRef
+    layers: list[str] | None = None
+    ids_dtype: IdsDtype = "int64"
+
+
+class FixLayout(_Request, tag="fix_layout", frozen=True):
+    """Rewrite a worker's blocks in place from ``remote`` layout to the registered one.
+
+    For blocks that were filled by a raw copy from a sender with another memory order or a
+    smaller block size (``block_size`` of ``remote`` must divide the registered block size).
+    Frame 0: the block ids.
+    """
+
+    target: BufferSetRef
+    remote: LayoutSpec
+    layers: list[str] | None = None
+    ids_dtype: IdsDtype = "int64"
+
+
+class Status(_Request, tag="status", frozen=True):
+    """Ask for the daemon's state."""
+
+
+# --- peer (node-to-node transfer, kvsidecar/peer/): commands and replies ----------------------
+
+
+class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request of a `Pull`: its id, and how many ids it has in each of the two id frames.
+
+    ``num_remote`` ids (the producer's blocks, in token order) land in ``num_local`` local blocks:
+    with a local block size ``r`` times the remote one, local block ``j`` receives remote blocks
+    ``r*j .. r*j + r - 1``, so ``r * (num_local - 1) < num_remote <= r * num_local``.
+    ``remote_request_id`` is the producer's id for it (default: the same id).
+    """
+
+    request_id: str
+    num_remote: int
+    num_local: int
+    remote_request_id: str = ""
+
+
+class Pull(_Request, tag="pull", frozen=True):
+    """Read requests' KV blocks from another node's daemon into this engine's blocks.
+
+    Frame 0: every item's remote block ids, concatenated in item order; frame 1: every item's
+    local block ids, likewise. ``tp_rank`` None pulls for every registered rank of the engine
+    (the scheduler's call); a number pulls for that one rank (a worker's call). The reply
+    (`Pulled`) comes when every item is received or failed; ``timeout_s`` 0 means the daemon's
+    ``peer_pull_timeout_s``.
+    """
+
+    engine_id: str
+    remote_endpoint: str
+    remote_engine_id: str
+    items: list[PullItem]
+    tp_rank: int | None = None
+    pp_rank: int = 0
+    medium: Medium = "device"
+    ids_dtype: IdsDtype = "int64"
+    timeout_s: float = 0.0
+    plane: Literal["", "zmq", "nixl"] = ""
+    """Data plane for this pull; "" = the daemon's ``peer_data_plane`` setting."""
+
+
+class Publish(_Request, tag="publish", frozen=True):
+    """Hold a request's blocks for remote readers (producer side). Frame 0: the block ids.
+
+    The daemon reports ``finished_sending`` for the request once every producer rank was read
+    by all its consumers, or once the lease (``lease_s``, 0 = ``peer_lease_s``) runs out.
+    """
+
+    engine_id: str
+    request_id: str
+    lease_s: float = 0.0
+    ids_dtype: IdsDtype = "int64"
+
+
+class TakePeerEvents(_Request, tag="take_peer_events", frozen=True):
+    """Take (remove and return) the queued peer completion events; ``engine_id`` "" = all."""
+
+    engine_id: str = ""
+
+
+# --- end peer commands ------------------------------------------------------------------------
+
+
+Request = (
+    Hello
+    | Register
+    | Unregister
+    | Heartbeat
+    | HostAlloc
+    | HostFree
+    | Move
+    | FixLayout
+    | Status
+    | Pull
+    | Publish
+    | TakePeerEvents  # peer
+)
+"""Every request a client may send."""
+
+REQUEST_TAGS: frozenset[str] = frozenset(
+    str(t.__struct_config__.tag) for t in typing.get_args(Request)
+)
+"""The ``type`` values of `Request`."""
+
+
+class _Reply(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of every reply: the id of the request it answers (0 if that was unreadable)."""
+
+    id: int
+
+
+class HelloReply(_Reply, tag="hello_reply", frozen=True):
+    """The daemon's versions, its fd-channel path and the limits it enforces."""
+
+    protocol_version: int
+    daemon_version: str
+    fd_socket: str
+    lease_s: float
+    max_message_bytes: int
+    max_ids_per_command: int
+
+
+class Registered(_Reply, tag="registered", frozen=True):
+    """A worker is registered: its layer count, mapped bytes and host-mirror blocks."""
+
+    worker: WorkerRef
+    num_layers: int
+    nbytes: int
+    host_blocks: int
+    lease_s: float
+
+
+class Ok(_Reply, tag="ok", frozen=True):
+    """The request succeeded and has nothing to report."""
+
+
+class HostAllocated(_Reply, tag="host_allocated", frozen=True):
+    """Host blocks allocated; frame 0 holds ``count`` ids of ``ids_dtype``."""
+
+    count: int
+    ids_dtype: IdsDtype = "int64"
+
+
+class Moved(_Reply, tag="moved", frozen=True):
+    """A move finished: destination blocks written, bytes copied, seconds on the executor."""
+
+    blocks: int
+    nbytes: int
+    seconds: float
+    fixed: bool = False
+
+
+class Fixed(_Reply, tag="fixed", frozen=True):
+    """A fix-layout finished on ``blocks`` blocks."""
+
+    blocks: int
+
+
+class BufferInfo(msgspec.Struct, frozen=True):
+    """One registered layer as status reports it."""
+
+    name: str
+    kind: str
+    nbytes: int
+    descriptor: BufferDescriptor
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """One registered worker as status reports it."""
+
+    worker: WorkerRef
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    layers: list[BufferInfo]
+    nbytes: int
+    host_mirror_bytes: int
+    lease_left_s: float
+    in_flight: int
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """One engine as status reports it."""
+
+    engine_id: str
+    model_hash: str
+    workers: list[WorkerInfo]
+    host_blocks: int
+    host_blocks_used: int
+
+
+class StatusReply(_Reply, tag="status_reply", frozen=True):
+    """The daemon's state and its running totals."""
+
+    daemon_version: str
+    protocol_version: int
+    uptime_s: float
+    endpoint: str
+    engines: list[EngineInfo]
+    host_pool_bytes: int
+    host_pool_used_bytes: int
+    in_flight_moves: int
+    moves_total: int
+    moves_failed_total: int
+    bytes_moved_total: int
+    errors_total: int
+    draining: bool = False
+
+
+class Error(_Reply, tag="error", frozen=True):
+    """The request failed; nothing was changed. ``code`` is one of `ErrorCode`."""
+
+    code: ErrorCode
+    message: str
+
+
+# --- peer (node-to-node transfer, kvsidecar/peer/): replies -------------------------------------
+
+
+class Pulled(_Reply, tag="pulled", frozen=True):
+    """A pull ended: which requests were received, which failed (and why), bytes and seconds.
+
+    The local blocks of failed requests are in ``invalid_block_ids``; the same outcome is queued
+    as a `PeerCompletion` for the completion aggregation.
+    """
+
+    finished: list[str]
+    failed: list[str]
+    invalid_block_ids: list[int]
+    nbytes: int
+    seconds: float
+    plane: str
+    error_code: str = ""
+    error: str = ""
+
+
+class PeerCompletion(msgspec.Struct, frozen=True):
+    """One completion event of the peer service, for the engine's completion aggregation.
+
+    ``worker`` None means the event covers every rank of the engine (a scheduler's pull, or a
+    producer request that every producer rank finished sending). ``expired_sending`` is the
+    subset of ``finished_sending`` released by lease expiry rather than by reads.
+    """
+
+    engine_id: str
+    worker: WorkerRef | None = None
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    failed_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+    expired_sending: frozenset[str] = frozenset()
+
+
+class PeerEvents(_Reply, tag="peer_events", frozen=True):
+    """The peer completion events taken by `TakePeerEvents`, oldest first."""
+
+    events: list[PeerCompletion]
+
+
+# --- end peer replies -------------------------------------------------------------------------
+
+
+Reply = (
+    HelloReply
+    | Registered
+    | Ok
+    | HostAllocated
+    | Moved
+    | Fixed
+    | StatusReply
+    | Error
+    | Pulled
+    | PeerEvents  # peer
+)
+"""Every reply the daemon sends."""
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """The two fields every request shares.
+
+    Decoded alone when a request fails to decode as a whole, to tell an unknown tag from bad
+    fields and still echo the request id.
+    """
+
+    type: str = ""
+    id: int = 0

@@ -1,0 +1,157 @@
+"""The ``kvsidecar`` command: builds a `Config` or a client and hands over to the library.
+
+Exit codes (also in ``docs/operations.md``):
+
+====  =====================================================
+0     success
+1     the command ran and failed (a demo check, a daemon error)
+2     usage error (bad flags)
+3     invalid configuration
+4     the daemon could not be reached
+====  =====================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvsidecar import __version__
+from kvsidecar.config import SETTINGS, Config, ConfigError, Setting
+from kvsidecar.logs import setup_logging
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CONFIG = 3
+EXIT_UNREACHABLE = 4
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, generated from the settings table so none can be missing."""
+    group = parser.add_argument_group(
+        "settings", "each also read from the TOML file and from its KVSIDECAR_* variable"
+    )
+    for setting in SETTINGS:
+        kwargs: dict[str, Any] = {
+            "dest": setting.name,
+            "default": None,
+            "help": f"{setting.help} [env {setting.env_var}; default {_show(setting)}]",
+        }
+        if setting.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = setting.type
+            kwargs["metavar"] = setting.type.__name__.upper()
+        group.add_argument(setting.flag, **kwargs)
+
+
+def _show(setting: Setting) -> str:
+    return repr(setting.default) if setting.default != "" else "derived"
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("KVSIDECAR_CONFIG"),
+        help="TOML settings file (flat, or under a [kvsidecar] table) [env KVSIDECAR_CONFIG]",
+    )
+
+
+def _load_config(args: argparse.Namespace) -> Config:
+    overrides = {s.name: getattr(args, s.name, None) for s in SETTINGS}
+    return Config.load(args.config, overrides=overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvsidecar",
+        description="Per-node daemon that moves KV-cache blocks for LLM inference engines.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("KVSIDECAR_LOG_FORMAT", "text"),
+        help="log lines as text or as one JSON object each [env KVSIDECAR_LOG_FORMAT]",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon until SIGTERM/SIGINT")
+    _add_config_flag(serve)
+    _add_setting_flags(serve)
+
+    check = sub.add_parser(
+        "check-config", help="validate the settings (file, environment, flags) and print them"
+    )
+    _add_config_flag(check)
+    _add_setting_flags(check)
+
+    status = sub.add_parser("status", help="print a running daemon's state as a table")
+    status.add_argument(
+        "--endpoint",
+        default=None,
+        help="control endpoint of the daemon [default: the configured or default ipc endpoint]",
+    )
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+
+    demo = sub.add_parser(
+        "demo",
+        help="start a daemon and engine-worker processes, move and fix blocks, verify every byte",
+    )
+    demo.add_argument("--layers", type=int, default=8, help="layers per worker")
+    demo.add_argument("--blocks", type=int, default=512, help="KV blocks per layer")
+    demo.add_argument("--rounds", type=int, default=3, help="rounds of every move kind")
+    demo.add_argument("--keep-going", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvsidecar`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            config = _load_config(args)
+            setup_logging(config.log_level, args.log_format)
+            from kvsidecar.daemon import Daemon
+
+            Daemon(config).run()
+            return EXIT_OK
+        if args.command == "check-config":
+            config = _load_config(args)
+            for setting in SETTINGS:
+                print(f"{setting.name} = {getattr(config, setting.name)!r}")
+            return EXIT_OK
+        if args.command == "status":
+            setup_logging("warning", args.log_format)
+            from kvsidecar.status import print_status
+
+            return print_status(args.endpoint, timeout=args.timeout)
+        if args.command == "demo":
+            setup_logging("warning", args.log_format)
+            from kvsidecar.demo import run_demo
+
+            return run_demo(layers=args.layers, blocks=args.blocks, rounds=args.rounds)
+    except ConfigError as exc:
+        print(f"kvsidecar: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as exc:
+        if args.command in ("serve", "check-config") and exc.filename == args.__dict__.get(
+            "config"
+        ):
+            print(f"kvsidecar: cannot read config: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        raise
+    # argparse rejects unknown commands before this point; reaching it is a programming error.
+    print(f"kvsidecar: unhandled command {args.command!r}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

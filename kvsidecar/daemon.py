@@ -1,0 +1,796 @@
+"""The daemon's lifecycle and its control socket: config -> startup -> serve -> shutdown.
+
+Shaped like uvicorn's ``Server``: `Daemon.run` picks the event loop (uvloop when present) and
+calls `Daemon.serve`, which is `Daemon.startup`, a wait on an `asyncio.Event` set by the first
+SIGTERM/SIGINT, and `Daemon.shutdown`. A second signal skips the drain.
+
+The event loop only does I/O and bookkeeping: requests are decoded and checked here, the copies
+run on the `CopyExecutor`. Requests that finish without waiting (status, heartbeat, host
+alloc/free, every validation error) are answered inline, in arrival order; the others (register,
+unregister, move, fix) become tasks, but a move's blocks are claimed on the executor before the
+handler first awaits, so moves on the same blocks apply in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Coroutine, Hashable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvsidecar import __version__, layout
+from kvsidecar.config import Config
+from kvsidecar.errors import SidecarError
+from kvsidecar.executor import CopyExecutor
+from kvsidecar.framing import IdArray, decode_ids, encode_ids
+from kvsidecar.jobs import Job, prepare_fix, prepare_move
+from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
+from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
+from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
+from kvsidecar.memory.shm import ShmHandle, open_shm_all
+from kvsidecar.protocol import (
+    PROTOCOL_VERSION,
+    REQUEST_TAGS,
+    BufferDescriptor,
+    CudaIpcRef,
+    Envelope,
+    Error,
+    Fixed,
+    FixLayout,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    HostAlloc,
+    HostAllocated,
+    HostFree,
+    Move,
+    Moved,
+    Ok,
+    Register,
+    Registered,
+    Reply,
+    Request,
+    ShmRef,
+    Status,
+    StatusReply,
+    Unregister,
+    WorkerRef,
+)
+from kvsidecar.peer.service import PeerService  # peer
+from kvsidecar.protocol import Publish, Pull, TakePeerEvents  # peer
+from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker
+from kvsidecar.sdnotify import Notifier
+
+log = logging.getLogger("kvsidecar.daemon")
+
+_DATA_FRAMES: dict[type, int] = {Move: 2, FixLayout: 1, HostFree: 1}
+"""Raw frames each request carries after its header (others: none)."""
+_DATA_FRAMES.update({Pull: 2, Publish: 1})  # peer: (remote ids, local ids); published ids
+
+_Frames = list[zmq.Frame]
+
+
+class Daemon:
+    """One kvsidecar daemon. ``await startup()``; ``await shutdown()``; or `run` / `serve`.
+
+    ``started`` is set once the sockets are bound and the pool is allocated (tests and the CLI
+    wait on it). `request_exit` is what the signal handlers call.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.started = asyncio.Event()
+        self.draining = False
+        self.force_exit = False
+        self._exit = asyncio.Event()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._fd_server: FdChannelServer | None = None
+        self._pool: HostPool | None = None
+        self._executor: CopyExecutor | None = None
+        self.peer: PeerService | None = None
+        """Node-to-node transfer (kvsidecar.peer); set during startup."""
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background: list[asyncio.Task[Any]] = []
+        self._decoder = msgspec.msgpack.Decoder(Request)
+        self._envelope = msgspec.msgpack.Decoder(Envelope)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._notifier = Notifier.from_env()
+        self._started_at = time.monotonic()
+        self.moves_total = 0
+        self.moves_failed_total = 0
+        self.bytes_moved_total = 0
+        self.errors_total = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        """Serve until a signal, on uvloop when configured and installed; blocks."""
+        if self.config.use_uvloop:
+            try:
+                import uvloop
+            except ImportError:
+                log.info("uvloop is not installed; using the default asyncio loop")
+            else:
+                uvloop.run(self.serve())
+                return
+        asyncio.run(self.serve())
+
+    async def serve(self) -> None:
+        """Start, wait for a signal (or `request_exit`), then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+        try:
+            await self.startup()
+            await self._exit.wait()
+        finally:
+            await self.shutdown()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._exit.is_set():
+            log.warning("second %s: forcing exit without draining", sig.name)
+            self.request_exit(force=True)
+        else:
+            log.info("%s: draining and shutting down", sig.name)
+            self.request_exit()
+
+    def request_exit(self, *, force: bool = False) -> None:
+        """Ask `serve` to return; ``force`` skips waiting for in-flight moves."""
+        self.force_exit = self.force_exit or force
+        self._exit.set()
+
+    async def startup(self) -> None:
+        """Create the runtime dir, allocate the pool, bind the sockets, start the lease sweeper."""
+        cfg = self.config
+        _private_dir(Path(cfg.runtime_dir))
+        _refuse_if_running(cfg.fd_socket)
+        if cfg.ipc_path is not None:
+            # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
+            Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if cfg.host_pool_bytes > 0:
+            # Allocated and touched up front: first touch is several times slower than a copy.
+            self._pool = HostPool(cfg.host_pool_bytes)
+        self._executor = CopyExecutor(cfg.copy_threads)
+        self._fd_server = FdChannelServer(cfg.fd_socket, on_close=self._on_fd_close)
+        await self._fd_server.start()
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Hard ceiling enforced by libzmq itself (the peer is disconnected); below it, oversize
+        # requests get a typed too_large reply from `_on_message`.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)
+        sock.bind(cfg.endpoint)
+        if cfg.ipc_path is not None:
+            os.chmod(cfg.ipc_path, 0o600)
+        self._sock = sock
+        # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
+        self.peer = PeerService(cfg, self.registry, self._executor)
+        await self.peer.start()
+        # --- end peer ---
+        self._started_at = time.monotonic()
+        self._background = [
+            asyncio.create_task(self._recv_loop(), name="kvsidecar-recv"),
+            asyncio.create_task(self._lease_loop(), name="kvsidecar-leases"),
+        ]
+        self._notifier.ready(f"serving on {cfg.endpoint}")
+        log.info(
+            "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
+        )
+        self.started.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain in-flight moves (bounded), release every mapping, close sockets.
+
+        Safe to call more than once and after a failed startup.
+        """
+        self.draining = True
+        self._notifier.stopping()
+        self._exit.set()
+        if (
+            self._executor is not None
+            and not self.force_exit
+            and not await self._executor.wait_idle(self.config.drain_timeout_s)
+        ):
+            log.warning("drain timeout: failing %d in-flight jobs", self._executor.in_flight)
+        for task in list(self._tasks):
+            task.cancel()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._background = []
+        if self.peer is not None:  # peer: links and peer socket closed before mappings go
+            await self.peer.close()
+            self.peer = None
+        for ref in list(self.registry.workers):
+            worker = self.registry.remove(ref)
+            if worker is not None:
+                worker.close()
+        if self._fd_server is not None:
+            await self._fd_server.close()
+            self._fd_server = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._executor is not None:
+            # A copy still running after the drain is abandoned; its views keep its mapping alive.
+            self._executor.shutdown(wait=not self.force_exit and self._executor.in_flight == 0)
+            self._executor = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self.config.ipc_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.ipc_path)
+        self._notifier.close()
+        log.info("kvsidecar stopped")
+
+    # ------------------------------------------------------------------ socket edge
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                self._on_message(frames)
+            except Exception:  # a bug must not stop the daemon serving everyone else
+                log.exception("unhandled error on a request")
+
+    def _send(self, ident: bytes, reply: Reply, data: tuple[Any, ...] = ()) -> None:
+        if self._sock is None:
+            return
+        if isinstance(reply, Error):
+            self.errors_total += 1
+        try:
+            self._sock.send_multipart([ident, self._encoder.encode(reply), *data], copy=False)
+        except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
+            log.debug("reply %s not sent: %s", type(reply).__name__, exc)
+
+    def _on_message(self, frames: _Frames) -> None:
+        ident = frames[0].bytes
+        body = frames[1:]
+        request_id = 0
+        try:
+            if not body:
+                raise SidecarError("bad_frame", "a request needs a header frame")
+            header = body[0].buffer
+            total = sum(f.buffer.nbytes for f in body)
+            if (
+                header.nbytes > self.config.max_header_bytes
+                or total > self.config.max_message_bytes
+            ):
+                request_id = self._peek_id(header) if header.nbytes <= (1 << 16) else 0
+                raise SidecarError(
+                    "too_large",
+                    f"request of {total} bytes (header {header.nbytes}); limits "
+                    f"{self.config.max_message_bytes} and {self.config.max_header_bytes}",
+                )
+            request = self._decode(header)
+            request_id = request.id
+            want = _DATA_FRAMES.get(type(request), 0)
+            if len(body) - 1 != want:
+                raise SidecarError(
+                    "bad_frame",
+                    f"{type(request).__name__} carries {want} data frames, got {len(body) - 1}",
+                )
+            if self.draining and not isinstance(request, Status):
+                raise SidecarError("shutting_down", "the daemon is shutting down")
+            result = self._dispatch(request, [f.buffer for f in body[1:]])
+        except SidecarError as exc:
+            rid = request_id or exc.request_id
+            self._send(ident, Error(id=rid, code=exc.code, message=exc.message))
+            return
+        if isinstance(result, tuple):
+            reply, data = result
+            self._send(ident, reply, data)
+        else:
+            task = asyncio.create_task(self._finish(ident, request_id, result))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _peek_id(self, header: memoryview) -> int:
+        try:
+            return self._envelope.decode(header).id
+        except (msgspec.DecodeError, OverflowError):
+            return 0
+
+    def _decode(self, header: memoryview) -> Request:
+        try:
+            return self._decoder.decode(header)
+        except msgspec.ValidationError as exc:
+            try:
+                env = self._envelope.decode(header)
+            except msgspec.DecodeError:
+                raise SidecarError("bad_frame", f"header is not a request: {exc}") from None
+            if env.type not in REQUEST_TAGS:
+                raise SidecarError(
+                    "unknown_message", f"unknown request type {env.type!r}", request_id=env.id
+                ) from None
+            raise SidecarError("invalid_message", f"{env.type}: {exc}", request_id=env.id) from None
+        except msgspec.DecodeError as exc:
+            raise SidecarError("bad_frame", f"header is not msgpack: {exc}") from None
+
+    async def _finish(
+        self, ident: bytes, request_id: int, work: Coroutine[Any, Any, Reply]
+    ) -> None:
+        try:
+            reply = await work
+        except SidecarError as exc:
+            reply = Error(id=request_id, code=exc.code, message=exc.message)
+        except asyncio.CancelledError:
+            self._send(
+                ident, Error(id=request_id, code="shutting_down", message="cancelled by shutdown")
+            )
+            raise
+        except Exception as exc:
+            log.exception("request %d failed", request_id)
+            reply = Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
+        self._send(ident, reply)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(
+        self, req: Request, data: list[memoryview]
+    ) -> tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply]:
+        """Answer a request inline (a reply and its data frames) or return the work to await."""
+        match req:
+            case Hello():
+                _check_version(req.protocol_version)
+                return self._hello(req), ()
+            case Status():
+                return self._status(req), ()
+            case Heartbeat():
+                return self._heartbeat(req), ()
+            case HostAlloc():
+                return self._host_alloc(req)
+            case HostFree():
+                return self._host_free(req, data[0]), ()
+            case Move():
+                return self._move(req, data)
+            case FixLayout():
+                ids = self._ids(data[0], req.ids_dtype, "block")
+                return self._run_job(prepare_fix(self.registry, req, ids), req.id, move=False)
+            # --- peer (kvsidecar.peer.service) ---
+            case Pull():
+                assert self.peer is not None
+                remote = self._ids(data[0], req.ids_dtype, "remote block")
+                local = self._ids(data[1], req.ids_dtype, "local block")
+                return self.peer.pull(req, remote, local)
+            case Publish():
+                assert self.peer is not None
+                return self.peer.publish(req, self._ids(data[0], req.ids_dtype, "block")), ()
+            case TakePeerEvents():
+                assert self.peer is not None
+                return self.peer.take_events(req), ()
+            # --- end peer ---
+            case Register():
+                _check_version(req.protocol_version)
+                return self._register(req)
+            case Unregister():
+                self.registry.worker(req.worker)
+                return self._unregister(req)
+        raise SidecarError(
+            "unknown_message", f"no handler for {type(req).__name__}"
+        )  # pragma: no cover
+
+    def _ids(self, frame: memoryview, dtype: Any, what: str) -> IdArray:
+        return decode_ids(frame, dtype, max_ids=self.config.max_ids_per_command, what=what)
+
+    def _hello(self, req: Hello) -> HelloReply:
+        cfg = self.config
+        return HelloReply(
+            id=req.id,
+            protocol_version=PROTOCOL_VERSION,
+            daemon_version=__version__,
+            fd_socket=cfg.fd_socket,
+            lease_s=cfg.lease_s,
+            max_message_bytes=cfg.max_message_bytes,
+            max_ids_per_command=cfg.max_ids_per_command,
+        )
+
+    def _heartbeat(self, req: Heartbeat) -> Ok:
+        deadline = time.monotonic() + self.config.lease_s
+        workers = [self.registry.worker(ref) for ref in req.workers]  # all known, or none renewed
+        for worker in workers:
+            worker.lease_deadline = deadline
+        return Ok(id=req.id)
+
+    def _host_alloc(self, req: HostAlloc) -> tuple[Reply, tuple[Any, ...]]:
+        engine = self.registry.engine(req.engine_id)
+        if req.count < 0:
+            raise SidecarError("invalid_message", f"count {req.count} < 0")
+        if req.count > self.config.max_ids_per_command:
+            raise SidecarError("too_large", f"{req.count} ids is more than one command may carry")
+        if engine.allocator is None:
+            raise SidecarError("pool_exhausted", f"engine {req.engine_id!r} has no host blocks")
+        try:
+            ids = engine.allocator.alloc(req.count)
+        except HandleError as exc:
+            raise SidecarError("pool_exhausted", str(exc)) from None
+        arr = encode_ids(ids, req.ids_dtype)
+        return HostAllocated(id=req.id, count=len(ids), ids_dtype=req.ids_dtype), (arr,)
+
+    def _host_free(self, req: HostFree, frame: memoryview) -> Ok:
+        engine = self.registry.engine(req.engine_id)
+        ids = self._ids(frame, req.ids_dtype, "host block")
+        if engine.allocator is None:
+            raise SidecarError("not_allocated", f"engine {req.engine_id!r} has no host blocks")
+        try:
+            engine.allocator.free(ids.tolist())
+        except HandleError as exc:
+            raise SidecarError("not_allocated", str(exc)) from None
+        return Ok(id=req.id)
+
+    def _move(self, req: Move, data: list[memoryview]) -> Coroutine[Any, Any, Reply]:
+        src_ids = self._ids(data[0], req.ids_dtype, "source")
+        dst_ids = self._ids(data[1], req.ids_dtype, "destination")
+        return self._run_job(prepare_move(self.registry, req, src_ids, dst_ids), req.id, move=True)
+
+    def _run_job(self, job: Job, request_id: int, *, move: bool) -> Coroutine[Any, Any, Reply]:
+        assert self._executor is not None
+        # Claim the blocks now, synchronously, so that arrival order is application order.
+        pending = asyncio.ensure_future(
+            self._executor.submit(job.run, reads=job.reads, writes=job.writes)
+        )
+        pending.add_done_callback(_consume_exception)
+        started = time.perf_counter()
+
+        async def finish() -> Reply:
+            try:
+                nbytes = await pending
+            except Exception:
+                if move:
+                    self.moves_failed_total += 1
+                raise
+            seconds = time.perf_counter() - started
+            if not move:
+                return Fixed(id=request_id, blocks=job.blocks)
+            self.moves_total += 1
+            self.bytes_moved_total += nbytes
+            return Moved(
+                id=request_id, blocks=job.blocks, nbytes=nbytes, seconds=seconds, fixed=job.fixed
+            )
+
+        return finish()
+
+    def _status(self, req: Status) -> StatusReply:
+        now = time.monotonic()
+        executor = self._executor
+
+        def in_flight(ref: WorkerRef) -> int:
+            if executor is None:
+                return 0
+            return executor.in_flight_for(ref)
+
+        pool = self._pool
+        return StatusReply(
+            id=req.id,
+            daemon_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            uptime_s=now - self._started_at,
+            endpoint=self.config.endpoint,
+            engines=self.registry.engine_infos(now, in_flight),
+            host_pool_bytes=0 if pool is None else pool.capacity_bytes,
+            host_pool_used_bytes=0 if pool is None else pool.used_bytes,
+            in_flight_moves=0 if executor is None else executor.in_flight,
+            moves_total=self.moves_total,
+            moves_failed_total=self.moves_failed_total,
+            bytes_moved_total=self.bytes_moved_total,
+            errors_total=self.errors_total,
+            draining=self.draining,
+        )
+
+    # ------------------------------------------------------------------ registration
+
+    async def _register(self, req: Register) -> Reply:
+        ref = req.worker
+        _check_identity(req)
+        if ref in self.registry.workers:
+            raise SidecarError("already_registered", f"{ref.label()} is already registered")
+        engine = self._engine_for(req)
+        buffers, conn_id = await self._map_layers(req)
+        layers: dict[str, LayerBuffer] = {}
+        device: BufferSet | None = None
+        host: BufferSet | None = None
+        try:
+            for spec, mapped in zip(req.layers, buffers, strict=True):
+                layers[spec.name] = LayerBuffer.map(spec.name, spec.descriptor, mapped)
+            device = BufferSet((ref, "device"), layers)
+            if engine.host_blocks > 0:
+                host = self._mirror(ref, req, engine.host_blocks)
+            # Checked again: another register of the same worker may have finished meanwhile.
+            if ref in self.registry.workers:
+                raise SidecarError("already_registered", f"{ref.label()} is already registered")
+            existing = self.registry.engines.get(ref.engine_id)
+            if existing is not None and existing is not engine:
+                self._check_engine_matches(existing, req)
+                engine = existing
+        except BaseException:
+            for mapped in buffers:
+                mapped.close()
+            if host is not None:
+                host.close()
+            raise
+        worker = Worker(
+            ref=ref,
+            tp_size=req.tp_size,
+            pp_size=req.pp_size,
+            dcp_size=req.dcp_size,
+            device=device,
+            host=host,
+            lease_deadline=time.monotonic() + self.config.lease_s,
+            fd_connection=conn_id,
+        )
+        self.registry.add(engine, worker)
+        log.info(
+            "registered %s: %d layers, %d bytes, %d host blocks",
+            ref.label(),
+            len(layers),
+            device.nbytes,
+            engine.host_blocks,
+        )
+        return Registered(
+            id=req.id,
+            worker=ref,
+            num_layers=len(layers),
+            nbytes=device.nbytes,
+            host_blocks=engine.host_blocks if host is not None else 0,
+            lease_s=self.config.lease_s,
+        )
+
+    def _engine_for(self, req: Register) -> Engine:
+        existing = self.registry.engines.get(req.worker.engine_id)
+        if existing is not None:
+            self._check_engine_matches(existing, req)
+            return existing
+        if req.host_blocks < 0:
+            raise SidecarError("invalid_message", "host_blocks must be >= 0")
+        return Engine(
+            engine_id=req.worker.engine_id,
+            model_hash=req.model_hash,
+            tp_size=req.tp_size,
+            pp_size=req.pp_size,
+            dcp_size=req.dcp_size,
+            host_blocks=req.host_blocks,
+            allocator=BlockIdAllocator(req.host_blocks) if req.host_blocks > 0 else None,
+        )
+
+    @staticmethod
+    def _check_engine_matches(engine: Engine, req: Register) -> None:
+        mine = (engine.model_hash, engine.tp_size, engine.pp_size, engine.dcp_size)
+        theirs = (req.model_hash, req.tp_size, req.pp_size, req.dcp_size)
+        if mine != theirs:
+            raise SidecarError(
+                "incompatible_engine",
+                f"engine {engine.engine_id!r} is registered with (model_hash, tp, pp, dcp) = "
+                f"{mine}, this worker says {theirs}",
+            )
+        if req.host_blocks not in (0, engine.host_blocks):
+            raise SidecarError(
+                "incompatible_engine",
+                f"engine {engine.engine_id!r} has {engine.host_blocks} host blocks, "
+                f"this worker asks for {req.host_blocks}",
+            )
+
+    async def _map_layers(self, req: Register) -> tuple[list[MappedBuffer], Hashable | None]:
+        """Map every layer's memory; all or nothing. Returns the buffers and the fd connection."""
+        shm = [(i, s.handle) for i, s in enumerate(req.layers) if isinstance(s.handle, ShmRef)]
+        out: list[MappedBuffer | None] = [None] * len(req.layers)
+        conn_id: Hashable | None = None
+        try:
+            if shm:
+                assert self._fd_server is not None
+                if not req.fd_token:
+                    raise SidecarError("handle_error", "shm layers need an fd_token")
+                try:
+                    conn, fds = await self._fd_server.take(req.fd_token, self.config.fd_wait_s)
+                except (TimeoutError, asyncio.TimeoutError):
+                    raise SidecarError(
+                        "handle_error",
+                        f"no fds arrived on {self.config.fd_socket} for this registration",
+                    ) from None
+                except HandleError as exc:
+                    raise SidecarError("handle_error", str(exc)) from None
+                conn_id = conn.id
+                handles = [
+                    ShmHandle(h.fd_index, h.storage_nbytes, h.offset, h.nbytes)
+                    for _, h in shm
+                    if isinstance(h, ShmRef)
+                ]
+                try:
+                    mapped = open_shm_all(fds, handles)  # takes ownership of the fds
+                except HandleError as exc:
+                    raise SidecarError("handle_error", str(exc)) from None
+                for (i, _), buf in zip(shm, mapped, strict=True):
+                    out[i] = buf
+            for i, spec in enumerate(req.layers):
+                if isinstance(spec.handle, CudaIpcRef):
+                    out[i] = _open_cuda(spec.handle)
+        except BaseException:
+            for opened in out:
+                if opened is not None:
+                    opened.close()
+            raise
+        return [b for b in out if b is not None], conn_id
+
+    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
+        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
+        if self._pool is None:
+            raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
+        descs: list[tuple[str, BufferDescriptor, int]] = []
+        for spec in req.layers:
+            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
+            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
+        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
+        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
+        try:
+            extent = self._pool.reserve(sum(pitches))
+        except HandleError as exc:
+            raise SidecarError("pool_exhausted", str(exc)) from None
+        layers = {}
+        offset = 0
+        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
+            buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
+            layers[name] = LayerBuffer.map(name, desc, buf)
+            offset += pitch
+        return BufferSet((ref, "host"), layers, on_close=extent.close)
+
+    async def _unregister(self, req: Unregister) -> Reply:
+        await self._release(req.worker, "unregistered")
+        return Ok(id=req.id)
+
+    async def _release(self, ref: WorkerRef, why: str) -> None:
+        """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
+        worker = self.registry.remove(ref)
+        if worker is None:
+            return
+        if self._executor is not None:
+            keys: set[Hashable] = {worker.device.key}
+            if worker.host is not None:
+                keys.add(worker.host.key)
+            if not await self._executor.wait_for_keys(keys, self.config.drain_timeout_s):
+                log.warning(
+                    "%s: copies still running at release; views keep them safe", ref.label()
+                )
+        worker.close()
+        log.info("released %s (%s)", ref.label(), why)
+
+    def _on_fd_close(self, conn: FdConnection) -> None:
+        """Release the workers of an fd connection whose process exited (or closed it)."""
+        for ref, worker in list(self.registry.workers.items()):
+            if worker.fd_connection == conn.id:
+                self._spawn(self._release(ref, f"fd channel closed (pid {conn.cred.pid})"))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _lease_loop(self) -> None:
+        period = min(1.0, self.config.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for ref, worker in list(self.registry.workers.items()):
+                if worker.lease_deadline < now:
+                    self._spawn(self._release(ref, "lease expired"))
+
+
+def _consume_exception(fut: asyncio.Future[Any]) -> None:
+    # The awaiting handler reports failures; this only silences "exception never retrieved"
+    # when that handler was cancelled first.
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise SidecarError(
+            "version_mismatch",
+            f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
+        )
+
+
+def _check_identity(req: Register) -> None:
+    ref = req.worker
+    for rank, size, name in (
+        (ref.tp_rank, req.tp_size, "tp"),
+        (ref.pp_rank, req.pp_size, "pp"),
+        (ref.dcp_rank, req.dcp_size, "dcp"),
+    ):
+        if size < 1 or not 0 <= rank < size:
+            raise SidecarError("invalid_message", f"{name}_rank {rank} with {name}_size {size}")
+    if not ref.engine_id:
+        raise SidecarError("invalid_message", "engine_id must not be empty")
+    if not req.layers:
+        raise SidecarError("invalid_message", "a registration needs at least one layer")
+    names = [s.name for s in req.layers]
+    if len(set(names)) != len(names):
+        raise SidecarError("invalid_message", "layer names must be unique")
+    for spec in req.layers:
+        try:
+            layout.buffer_nbytes(spec.descriptor)
+        except layout.LayoutError as exc:
+            raise SidecarError("incompatible_buffers", f"layer {spec.name!r}: {exc}") from None
+    first = req.layers[0].descriptor.num_blocks
+    if any(s.descriptor.num_blocks != first for s in req.layers):
+        raise SidecarError("incompatible_buffers", "every layer must have the same num_blocks")
+
+
+def _open_cuda(ref: CudaIpcRef) -> MappedBuffer:
+    """Open a CUDA IPC handle (``handle_error`` where CUDA is missing or the handle is bad)."""
+    handle = CudaIpcHandle(**msgspec.structs.asdict(ref))
+    try:
+        return open_cuda_ipc(handle)
+    except HandleError as exc:
+        raise SidecarError("handle_error", str(exc)) from None
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700) or check that an existing one is ours and private."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise SystemExit(f"kvsidecar: {path} belongs to uid {st.st_uid}, not to us; refusing it")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _refuse_if_running(fd_socket: str) -> None:
+    """Fail fast when another daemon already serves this runtime directory."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(fd_socket)
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise SystemExit(f"kvsidecar: a daemon already listens on {fd_socket}")
+
+
+async def serve(config: Config) -> None:
+    """Run a daemon with ``config`` until SIGTERM/SIGINT (or cancellation)."""
+    await Daemon(config).serve()
+
+
+def main() -> None:
+    """Serve with settings from ``KVSIDECAR_*`` (``python -m kvsidecar.daemon``).
+
+    ``KVSIDECAR_CONFIG`` may name a TOML file. The CLI (``kvsidecar serve``) is the documented
+    entry point; this one exists for tests and minimal containers.
+    """
+    config = Config.load(os.environ.get("KVSIDECAR_CONFIG"))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    Daemon(config).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Validated copy jobs: a move or a fix, checked completely before any byte moves.
+
+`prepare_move` and `prepare_fix` run on the event loop. They resolve the buffer sets, check the
+ids and the layouts, and either raise `SidecarError` (nothing touched) or return a `Job`: the
+blocks it reads and writes (for the executor's ordering) and a closure that does the copy on a
+copy thread.
+
+Block-size ratio on a move: when the destination's blocks hold ``r`` times the tokens of the
+source's, the destination's per-block byte rows are viewed as ``r`` consecutive sub-rows, and
+destination block ``d`` is written as sub-blocks ``d*r .. d*r + r - 1`` from ``r`` source blocks.
+That is a plain block copy at source granularity, after which `layout.fix_received` turns the
+packed remote blocks into the local block (the reference's ``kv_postprocess_blksize_*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvsidecar import layout, mover
+from kvsidecar.errors import SidecarError
+from kvsidecar.framing import IdArray
+from kvsidecar.protocol import BufferDescriptor, FixLayout, Move
+from kvsidecar.registry import BufferSet, LayerBuffer, Registry
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked command, ready for the executor."""
+
+    reads: dict[Hashable, IdArray]
+    writes: dict[Hashable, IdArray]
+    run: Callable[[], int]
+    """Does the work on a copy thread; returns bytes copied."""
+    blocks: int
+    fixed: bool
+    workers: frozenset[Hashable]
+    """Workers whose memory the job touches (their release waits for it)."""
+
+
+def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise SidecarError(
+            "out_of_range", f"{what} id {bad} is outside 0..{num_blocks - 1} ({num_blocks} blocks)"
+        )
+
+
+def _check_unique(ids: IdArray, what: str) -> None:
+    if ids.size > 1 and np.unique(ids).size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        raise SidecarError(
+            "duplicate_destination", f"{what} id {int(values[counts > 1][0])} appears twice"
+        )
+
+
+def _select_layers(
+    names: list[str] | None, first: BufferSet, second: BufferSet | None
+) -> list[str]:
+    chosen = list(first.layers) if names is None else names
+    if not chosen:
+        raise SidecarError("invalid_message", "an empty layer list moves nothing")
+    if len(set(chosen)) != len(chosen):
+        raise SidecarError("invalid_message", "a layer is named twice")
+    for name in chosen:
+        for side in (first, second):
+            if side is not None and name not in side.layers:
+                raise SidecarError(
+                    "unknown_layer", f"{side.key[0].label()} ({side.key[1]}) has no layer {name!r}"
+                )
+    return chosen
+
+
+def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
+    """Destination/source block-size ratio, or ``incompatible_buffers`` with the reason."""
+    same = ("arrangement", "dtype", "num_heads", "head_size")
+    for attr in same:
+        if getattr(src, attr) != getattr(dst, attr):
+            raise SidecarError(
+                "incompatible_buffers",
+                f"layer {name!r}: {attr} {getattr(src, attr)!r} vs {getattr(dst, attr)!r}",
+            )
+    if dst.block_size % src.block_size:
+        raise SidecarError(
+            "incompatible_buffers",
+            f"layer {name!r}: destination block size {dst.block_size} is not a multiple of the "
+            f"source's {src.block_size}",
+        )
+    return dst.block_size // src.block_size
+
+
+def _needs_fix(src: BufferDescriptor, dst: BufferDescriptor, ratio: int) -> bool:
+    if src.arrangement == "mla" or src.num_heads == 1:
+        return False  # one head: token order is the only order, concatenation is already right
+    return src.memory_order != dst.memory_order or (ratio > 1 and dst.memory_order == "HND")
+
+
+def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
+    """Return the layer's block rows split into ``ratio`` sub-rows each (a view; see module doc)."""
+    if ratio == 1:
+        return layer.block_views
+    return [v.view(v.shape[0] * ratio, v.shape[1] // ratio) for v in layer.block_views]
+
+
+def prepare_move(registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArray) -> Job:
+    """Check a move completely and return its job; raises `SidecarError` on any problem."""
+    src = registry.buffer_set(cmd.src)
+    dst = registry.buffer_set(cmd.dst)
+    names = _select_layers(cmd.layers, src, dst)
+    ratios = {_ratio(src.layers[n].descriptor, dst.layers[n].descriptor, n) for n in names}
+    if len(ratios) != 1:
+        raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
+    ratio = ratios.pop()
+    if src_ids.size != ratio * dst_ids.size:
+        want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)
+        raise SidecarError(
+            "length_mismatch", f"{src_ids.size} source ids for {want} destination ids"
+        )
+    _check_range(src_ids, src.num_blocks, "source")
+    _check_range(dst_ids, dst.num_blocks, "destination")
+    _check_unique(dst_ids, "destination")
+    if src is dst and np.intersect1d(src_ids, dst_ids).size:
+        raise SidecarError(
+            "invalid_message", "source and destination blocks overlap in the same buffer set"
+        )
+    src_idx = src_ids.astype(np.int64)
+    dst_idx = dst_ids.astype(np.int64)
+    sub_dst = (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+    fixes = [
+        (dst.layers[n], src.layers[n].descriptor.memory_order)
+        for n in names
+        if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
+    ]
+    src_views = [v for n in names for v in src.layers[n].block_views]
+    dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
+    plan = mover.plan_runs(src_idx, sub_dst)
+
+    def run() -> int:
+        copied = mover.copy_runs(src_views, dst_views, plan)
+        if fixes:
+            index = torch.from_numpy(dst_idx)
+            for target, remote_order in fixes:
+                desc = target.descriptor
+                layout.fix_received(
+                    target.cache,
+                    index,
+                    remote_layout=remote_order,
+                    local_layout=desc.memory_order,
+                    block_size_ratio=ratio,
+                    arrangement=desc.arrangement,
+                )
+        return int(copied)
+
+    return Job(
+        reads={src.key: src_ids},
+        writes={dst.key: dst_ids},
+        run=run,
+        blocks=int(dst_ids.size),
+        fixed=bool(fixes),
+        workers=frozenset({src.key[0], dst.key[0]}),
+    )
+
+
+def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
+    """Check a fix-layout completely and return its job; raises `SidecarError` on any problem."""
+    target = registry.buffer_set(cmd.target)
+    names = _select_layers(cmd.layers, target, None)
+    if cmd.remote.block_size < 1:
+        raise SidecarError("invalid_message", "remote block_size must be >= 1")
+    ratio = 0
+    for n in names:
+        desc = target.layers[n].descriptor
+        if desc.block_size % cmd.remote.block_size:
+            raise SidecarError(
+                "incompatible_buffers",
+                f"layer {n!r}: block size {desc.block_size} is not a multiple of the remote "
+                f"block size {cmd.remote.block_size}",
+            )
+        ratio = desc.block_size // cmd.remote.block_size
+    _check_range(ids, target.num_blocks, "block")
+    # A block fixed twice would be scrambled, so duplicates are refused like in a move.
+    _check_unique(ids, "block")
+    index = torch.from_numpy(ids.astype(np.int64))
+    layers = [target.layers[n] for n in names]
+    remote = cmd.remote.memory_order
+
+    def run() -> int:
+        for lb in layers:
+            layout.fix_received(
+                lb.cache,
+                index,
+                remote_layout=remote,
+                local_layout=lb.descriptor.memory_order,
+                block_size_ratio=ratio,
+                arrangement=lb.descriptor.arrangement,
+            )
+        return 0
+
+    return Job(
+        reads={},
+        writes={target.key: ids},
+        run=run,
+        blocks=int(ids.size),
+        fixed=True,
+        workers=frozenset({target.key[0]}),
+    )

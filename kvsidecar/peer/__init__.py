@@ -1,0 +1,8 @@
+"""Node-to-node KV transfer: one daemon pulls a request's blocks from another node's daemon.
+
+- `messages`: the peer wire protocol (its own tagged union, on its own socket).
+- `handshake`: what a daemon tells its peers about its engines, and the compatibility check.
+- `plan`: which remote ranks and byte ranges land where (TP mismatch, block size, MLA, DCP).
+- `planes`: the `DataPlane` interface; `zmq_plane` (built in) and `nixl_plane` (NIXL READ).
+- `service`: `PeerService`, wired into the daemon: peer endpoint, pulls, leases, completions.
+"""

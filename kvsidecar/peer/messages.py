@@ -1,0 +1,153 @@
+"""The peer protocol: what two daemons say to each other on the peer socket.
+
+A daemon with a ``peer_endpoint`` binds a ZeroMQ ROUTER there; a pulling daemon connects one
+DEALER per remote endpoint. Messages are `msgspec` structs in one tagged union per direction,
+separate from the control protocol (`kvsidecar.protocol`), framed the same way: ``[header,
+*data]``. Bulk data travels in raw frames, never inside a struct:
+
+- `ReadBlocks` carries one frame: an ``(n, 3)`` little-endian int64 array of ``(layer index,
+  byte offset, byte length)`` ranges of the producer worker's registered layers.
+- `ReadData` is followed by ``n`` frames, the bytes of each range in order, sent zero-copy
+  from the producer's mapped buffers and received straight into the consumer's buffers.
+
+Every request carries an ``id`` that its reply echoes, so several reads can be in flight on one
+connection. `Notify` has no reply (a lost notification ends in the producer's lease expiry).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvsidecar.protocol import Arrangement, BufferDescriptor, MemoryOrder
+from kvsidecar.topology import EngineTransferInfo
+
+PEER_PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of the messages below."""
+
+PeerErrorCode = Literal[
+    "version_mismatch",
+    "bad_message",
+    "unknown_engine",
+    "unknown_worker",
+    "out_of_range",
+    "expired",
+    "unsupported",
+    "shutting_down",
+]
+"""Why a peer refused a request."""
+
+
+class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What two engines must agree on for one's KV blocks to mean anything to the other."""
+
+    model_hash: str
+    cache_dtype: str
+    head_size: int
+    total_kv_heads: int
+    num_layers: int
+    is_mla: bool
+
+
+class PeerWorker(msgspec.Struct, frozen=True):
+    """One rank of a producer engine: its layers, their layouts, and its transfer sizes.
+
+    ``layer_addrs`` (NIXL only; empty otherwise) are the base addresses of each layer's
+    registered memory in the producer's NIXL agent, in ``layers`` order.
+    """
+
+    tp_rank: int
+    pp_rank: int
+    dcp_rank: int
+    layers: list[str]
+    descriptors: list[BufferDescriptor]
+    transfer: EngineTransferInfo
+    layer_addrs: list[int] = []
+
+
+class PeerEngine(msgspec.Struct, frozen=True):
+    """One engine of a daemon as the handshake describes it."""
+
+    engine_id: str
+    compat: CompatInfo
+    compat_hash: str
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    arrangement: Arrangement
+    memory_order: MemoryOrder
+    block_size: int
+    workers: list[PeerWorker]
+
+
+class _PeerRequest(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    id: int
+
+
+class PeerHello(_PeerRequest, tag="peer_hello", frozen=True):
+    """Handshake: versions, who asks, and whether it wants NIXL metadata."""
+
+    protocol_version: int
+    daemon_id: str
+    want_nixl: bool = False
+
+
+class ReadBlocks(_PeerRequest, tag="read", frozen=True):
+    """Read byte ranges of one producer worker's layers (ZMQ plane). One raw range frame."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    request_id: str
+    layers: list[str]
+    """Layer names; the range frame's layer index points into this list."""
+
+
+class Notify(_PeerRequest, tag="notify", frozen=True):
+    """A consumer rank finished reading a request from one producer rank (both planes)."""
+
+    engine_id: str
+    request_id: str
+    tp_rank: int
+    pp_rank: int
+    reader: str
+    """Which consumer rank read (daemon id, engine, rank): a repeated notification counts once."""
+    expected_readers: int
+    """How many consumer ranks read each producer rank (``dcp_consumer_count``)."""
+
+
+PeerRequest = PeerHello | ReadBlocks | Notify
+"""Everything a pulling daemon sends to a producer's peer endpoint."""
+
+
+class _PeerReply(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    id: int
+
+
+class PeerWelcome(_PeerReply, tag="peer_welcome", frozen=True):
+    """Handshake reply: versions, engines, the data planes offered, NIXL agent metadata."""
+
+    protocol_version: int
+    daemon_id: str
+    engines: list[PeerEngine]
+    planes: list[str]
+    nixl_agent: str = ""
+    nixl_metadata: bytes = b""
+
+
+class ReadData(_PeerReply, tag="read_data", frozen=True):
+    """The ranges of a `ReadBlocks`, as raw frames following this header."""
+
+    nbytes: int
+
+
+class PeerError(_PeerReply, tag="peer_error", frozen=True):
+    """The request was refused; nothing was sent."""
+
+    code: PeerErrorCode
+    message: str
+
+
+PeerReply = PeerWelcome | ReadData | PeerError
+"""Everything a producer's peer endpoint answers."""

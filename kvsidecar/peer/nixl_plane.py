@@ -1,0 +1,141 @@
+"""The NIXL data plane: the consumer READs the producer's registered memory through NIXL (UCX).
+
+Each daemon owns one NIXL agent (named after its daemon id) and registers the layer buffers of
+its registered workers with it, lazily: a producer syncs its registrations before answering a
+handshake that asks for NIXL, a consumer before a pull. The producer's agent metadata and each
+layer's base address travel in the handshake (`PeerWelcome.nixl_metadata`,
+`PeerWorker.layer_addrs`); the consumer (re)loads the metadata whenever it changed.
+
+A read plan becomes one READ transfer: local descriptors (our buffer + destination offset) and
+remote descriptors (their base address + range offset), polled until done or the deadline. The
+producer's daemon is not involved per read; the notification goes over the peer connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsidecar.peer.link import PeerGone
+from kvsidecar.peer.plan import ReadPlan
+from kvsidecar.peer.planes import DataPlane, ReadTarget
+
+log = logging.getLogger("kvsidecar.peer.nixl")
+
+
+def nixl_available() -> bool:
+    """Whether the ``nixl`` package can be imported here."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+class NixlPlane(DataPlane):
+    """One NIXL agent with the daemon's buffers registered; READs on the consumer side."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent_name = agent_name
+        self._agent: Any = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        self._regs: dict[Hashable, tuple[torch.Tensor, Any]] = {}
+        self._remotes: dict[str, bytes] = {}
+        self._stuck: list[Any] = []
+
+    # ---- registrations
+
+    def sync(self, buffers: Iterable[tuple[Hashable, torch.Tensor]]) -> None:
+        """Register these buffers (by key) and deregister every other one registered before."""
+        wanted = dict(buffers)
+        for key in [k for k in self._regs if k not in wanted]:
+            _, reg = self._regs.pop(key)
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001 - a failed deregistration only leaks a record
+                log.warning("NIXL deregistration of %r failed", key, exc_info=True)
+        for key, flat in wanted.items():
+            if key not in self._regs:
+                self._regs[key] = (flat, self._agent.register_memory(flat))
+
+    def addr(self, key: Hashable) -> int:
+        """Base address of a registered buffer."""
+        return int(self._regs[key][0].data_ptr())
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory) for the handshake."""
+        return bytes(self._agent.get_agent_metadata())
+
+    def load_remote(self, name: str, metadata: bytes) -> None:
+        """Load (or refresh) a remote agent's metadata; a no-op when unchanged."""
+        if self._remotes.get(name) == metadata:
+            return
+        self._agent.add_remote_agent(metadata)
+        self._remotes[name] = metadata
+
+    # ---- transfers
+
+    async def read(self, target: ReadTarget, plan: ReadPlan, deadline: float) -> int:
+        """One READ of every range of ``plan``, polled until done or ``deadline``."""
+        if len(plan.ranges) == 0:
+            return 0
+        rem_base = np.asarray(target.remote.layer_addrs, dtype=np.int64)
+        names = target.remote.layers
+        # The plan indexes the remote layers by its own list; map to the worker's addresses.
+        by_name = {n: int(rem_base[i]) for i, n in enumerate(names)}
+        plan_bases = np.array([by_name[n] for n in plan.remote_layers], dtype=np.int64)
+        loc_base = np.array(
+            [lb.mapped.flat.data_ptr() for lb in target.local_layers], dtype=np.int64
+        )
+        n = plan.ranges[:, 2]
+        remote = np.stack([plan_bases[plan.ranges[:, 0]] + plan.ranges[:, 1], n, 0 * n], 1)
+        local = np.stack([loc_base[plan.dest[:, 0]] + plan.dest[:, 1], n, 0 * n], 1)
+        agent = self._agent
+        loop = asyncio.get_running_loop()
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local.astype(np.uint64), "DRAM"),
+            agent.get_xfer_descs(remote.astype(np.uint64), "DRAM"),
+            target.remote_agent,
+        )
+        done = False
+        try:
+            state = agent.transfer(handle)
+            pause = 50e-6
+            while state != "DONE":
+                if state == "ERR":
+                    raise PeerGone(f"NIXL READ from {target.remote_agent} failed")
+                if loop.time() > deadline:
+                    raise PeerGone(f"NIXL READ from {target.remote_agent} did not finish in time")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                state = agent.check_xfer_state(handle)
+            done = True
+        finally:
+            self._release(handle, done)
+        return int(n.sum())
+
+    def _release(self, handle: Any, done: bool) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - still in flight: retried at close
+            if not done:
+                self._stuck.append(handle)
+
+    def close(self) -> None:
+        """Release stuck transfers and registrations; the agent goes with the object."""
+        for handle in self._stuck:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001, S110 - best effort at shutdown
+                pass
+        self._stuck.clear()
+        self.sync(())

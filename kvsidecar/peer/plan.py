@@ -1,0 +1,348 @@
+"""The transfer plan of one pull: which remote ranks, which byte ranges, landing where. Pure.
+
+Everything is expressed as byte ranges of registered layer buffers (each layer is one dense
+buffer, `kvsidecar.layout.buffer_nbytes` long), so both data planes execute the same plan: the
+ZMQ plane sends the remote ranges as frames and receives them into the local ranges, the NIXL
+plane turns both into address descriptors of one READ.
+
+Geometry of a layer buffer: it holds one or two *regions* per block (K and V, or one MLA latent,
+or one of a ``split`` pair), each ``block_len`` bytes; region ``k`` of block ``b`` starts at
+``base[k] + b * stride``. A local block with ``r`` times the remote block size is filled as
+``r`` sub-regions of ``block_len / r`` bytes, in token order; `kvsidecar.layout.fix_received`
+then turns the packed remote blocks into the local layout (the reference's receive-side fixes).
+
+Rank mapping follows `kvsidecar.topology.TransferTopology`:
+
+- local TP >= remote TP: local rank ``l`` reads one remote rank; with a TP ratio above 1 only its
+  own heads, a contiguous byte range of an HND remote region (`layout.head_slice`);
+- remote TP > local TP: local rank ``l`` reads ``|ratio|`` remote ranks' whole regions, each
+  landing at its heads' offset in the local region (`layout.head_slice_target`), the assembled
+  region being the remote (HND) layout with the local head count; replicas are read once;
+- MLA: the latent is replicated, so one remote rank is read and every target rank notified;
+- DCP: rank to rank between engines with the same TP and DCP sizes (other DCP combinations
+  need a token re-interleave that is not implemented: `PlanError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar import layout
+from kvsidecar.peer.messages import PeerEngine, PeerWorker
+from kvsidecar.protocol import BufferDescriptor, MemoryOrder
+from kvsidecar.topology import EngineTransferInfo, TopologyError, TransferTopology
+
+I64 = npt.NDArray[np.int64]
+
+
+class PlanError(Exception):
+    """The pull cannot be planned (unsupported combination, ids out of range); says why."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the regions of each block sit in one layer buffer."""
+
+    bases: tuple[int, ...]
+    stride: int
+    block_len: int
+    num_blocks: int
+
+
+def geometry(desc: BufferDescriptor) -> Geometry:
+    """Region bases, block stride and region length of a dense buffer with this descriptor."""
+    bl = layout.block_len(desc)
+    b = desc.num_blocks
+    if desc.arrangement == "kv_first":
+        return Geometry((0, b * bl), bl, bl, b)
+    if desc.arrangement == "blocks_first":
+        return Geometry((0, bl), 2 * bl, bl, b)
+    return Geometry((0,), bl, bl, b)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Byte ranges to read from one remote worker and where each lands locally.
+
+    ``ranges`` rows are ``(remote layer index, remote offset, length)`` (the `ReadBlocks` frame);
+    ``dest`` rows are ``(local layer index, local offset)``, row for row.
+    """
+
+    remote_tp_rank: int
+    remote_pp_rank: int
+    remote_layers: list[str]
+    local_layers: list[str]
+    ranges: I64
+    dest: I64
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this read moves."""
+        return int(self.ranges[:, 2].sum()) if len(self.ranges) else 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one local rank does for one request: reads, notifications, layout fixes."""
+
+    reads: list[ReadPlan]
+    notify: list[tuple[int, int]]
+    """Remote workers ``(tp_rank, pp_rank)`` to notify once every read succeeded."""
+    expected_readers: int
+    """Consumer ranks per producer rank (``dcp_consumer_count``), sent with each notification."""
+    fixes: list[tuple[str, MemoryOrder]]
+    """Local layers whose received blocks need `layout.fix_received`, with the remote order."""
+    block_size_ratio: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes all reads move."""
+        return sum(r.nbytes for r in self.reads)
+
+
+def _needs_fix(remote: BufferDescriptor, local: BufferDescriptor, ratio: int) -> bool:
+    if local.arrangement == "mla" or local.num_heads == 1:
+        return False  # one head: token order is the only order, concatenation is already right
+    same = remote.memory_order == local.memory_order
+    return not ((same and local.memory_order == "NHD") or (same and ratio == 1))
+
+
+def _coalesce(ro: I64, lo: I64, length: int, max_frame: int) -> tuple[I64, I64, I64]:
+    """Merge consecutive ranges contiguous on both sides into runs of at most ``max_frame``."""
+    n = ro.size
+    if n == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    start = np.ones(n, dtype=bool)
+    start[1:] = (np.diff(ro) != length) | (np.diff(lo) != length)
+    cap = max(1, max_frame // length)
+    if cap < n:
+        run_id = np.cumsum(start) - 1
+        run_first = np.flatnonzero(start)
+        pos = np.arange(n) - run_first[run_id]
+        start |= pos % cap == 0
+    first = np.flatnonzero(start)
+    counts = np.diff(np.append(first, n))
+    return ro[first], lo[first], counts.astype(np.int64) * length
+
+
+def _topology(local: PeerEngine, worker: PeerWorker, remote: PeerEngine) -> TransferTopology:
+    try:
+        topo = TransferTopology(
+            tp_rank=worker.tp_rank,
+            tp_size=local.tp_size,
+            block_size=local.block_size,
+            # Engines on two nodes may share a name; the topology only refuses its own id.
+            engine_id=f"local:{local.engine_id}",
+            is_mla=local.compat.is_mla,
+            is_mamba=False,
+            total_num_kv_heads=local.compat.total_kv_heads,
+            dcp_size=local.dcp_size,
+        )
+        first = remote.workers[0].transfer
+        topo.register_remote_engine(
+            remote.engine_id,
+            EngineTransferInfo(
+                remote_tp_size=remote.tp_size,
+                remote_block_len=first.remote_block_len,
+                remote_block_size=remote.block_size,
+                remote_physical_blocks_per_logical=1,
+                remote_dcp_size=remote.dcp_size,
+            ),
+        )
+    except TopologyError as exc:
+        raise PlanError(str(exc)) from None
+    return topo
+
+
+Source = tuple[int, int, int, int]
+"""(remote tp rank, offset in the remote region, length, offset in the local sub-region)."""
+
+
+def _sources(
+    local: PeerEngine,
+    worker: PeerWorker,
+    remote: PeerEngine,
+    ldesc: BufferDescriptor,
+    rdesc: BufferDescriptor,
+) -> tuple[list[Source], list[int], int]:
+    """Which remote ranks give which bytes of a region; whom to notify; readers per rank."""
+    topo = _topology(local, worker, remote)
+    itemsize = layout.torch_dtype(rdesc.dtype).itemsize
+    rbl = layout.block_len(rdesc)
+    lsub = layout.block_len(ldesc) // (local.block_size // remote.block_size)
+    total = local.compat.total_kv_heads
+    l_rank = worker.tp_rank
+    try:
+        if local.dcp_size > 1 or remote.dcp_size > 1:
+            if (local.tp_size, local.dcp_size) != (remote.tp_size, remote.dcp_size):
+                raise PlanError(
+                    f"DCP transfers need equal TP and DCP sizes on both sides (rank to rank); "
+                    f"local tp/dcp {local.tp_size}/{local.dcp_size}, remote "
+                    f"{remote.tp_size}/{remote.dcp_size}"
+                )
+            expected = topo.dcp_consumer_count(remote.tp_size, remote.dcp_size)
+            return [(l_rank, 0, rbl, 0)], [l_rank], expected
+        targets = topo.target_remote_ranks(remote.engine_id)
+        expected = topo.dcp_consumer_count(remote.tp_size, 1)
+        if local.compat.is_mla:
+            return [(targets[0], 0, rbl, 0)], targets, expected
+        ratio = topo.tp_ratio(remote.tp_size)
+        if ratio >= 1:
+            if ratio == 1:
+                return [(targets[0], 0, rbl, 0)], targets, expected
+            off, length = layout.head_slice(
+                local_tp_size=local.tp_size,
+                remote_tp_size=remote.tp_size,
+                local_tp_rank=l_rank,
+                num_heads_total=total,
+                block_size=remote.block_size,
+                head_size=rdesc.head_size,
+                itemsize=itemsize,
+            )
+            if length != rbl and rdesc.memory_order != "HND":
+                raise PlanError(
+                    f"local TP {local.tp_size} > remote TP {remote.tp_size} reads a head slice "
+                    "of each remote block, which needs HND memory order on the producer "
+                    f"(it is {rdesc.memory_order})"
+                )
+            return [(targets[0], off, length, 0)], targets, expected
+        sources: list[Source] = []
+        seen: set[int] = set()
+        for q in targets:
+            off, length = layout.head_slice_target(
+                local_tp_size=local.tp_size,
+                remote_tp_size=remote.tp_size,
+                remote_tp_rank=q,
+                num_heads_total=total,
+                block_size=remote.block_size,
+                head_size=rdesc.head_size,
+                itemsize=itemsize,
+            )
+            if off not in seen:  # replicated heads: one replica is enough
+                seen.add(off)
+                sources.append((q, 0, rbl, off))
+        if len(sources) > 1 and rdesc.memory_order != "HND":
+            raise PlanError(
+                f"remote TP {remote.tp_size} > local TP {local.tp_size} assembles each local "
+                "block from several remote ranks' heads, which needs HND memory order on the "
+                f"producer (it is {rdesc.memory_order})"
+            )
+        if any(off + length > lsub for _, _, length, off in sources):
+            raise PlanError("remote regions do not fit the local region (head counts disagree)")
+        return sources, targets, expected
+    except (TopologyError, layout.LayoutError) as exc:
+        raise PlanError(str(exc)) from None
+
+
+def plan_rank(
+    local: PeerEngine,
+    worker: PeerWorker,
+    remote: PeerEngine,
+    remote_ids: I64,
+    local_ids: I64,
+    *,
+    max_frame: int = 1 << 20,
+) -> RankPlan:
+    """Plan one local rank's part of one request.
+
+    ``remote_ids`` are the producer's blocks in token order, ``local_ids`` the blocks they land
+    in (with a block-size ratio ``r``: ``r * (len(local_ids) - 1) < len(remote_ids) <= r *
+    len(local_ids)``). Raises `PlanError` for anything that cannot be served.
+    """
+    if local.block_size % remote.block_size:
+        raise PlanError(
+            f"local block size {local.block_size} is not a multiple of the remote "
+            f"{remote.block_size}"
+        )
+    bs = local.block_size // remote.block_size
+    n_remote, n_local = remote_ids.size, local_ids.size
+    if not (bs * (n_local - 1) < n_remote <= bs * n_local) and (n_remote or n_local):
+        raise PlanError(
+            f"{n_remote} remote blocks do not fill {n_local} local blocks of {bs} remote blocks each"
+        )
+    by_pp: dict[int, dict[int, PeerWorker]] = {}
+    for rw in remote.workers:
+        by_pp.setdefault(rw.pp_rank, {})[rw.tp_rank] = rw
+    layer_home: dict[str, int] = {}
+    for pp, ranks in by_pp.items():
+        for name in next(iter(ranks.values())).layers:
+            layer_home[name] = pp
+
+    reads: dict[tuple[int, int], tuple[list[str], list[I64], list[I64], list[I64], list[I64]]] = {}
+    fixes: list[tuple[str, MemoryOrder]] = []
+    notify: set[tuple[int, int]] = set()
+    expected = 1
+    sub = np.arange(n_remote, dtype=np.int64)
+    local_rows = local_ids.astype(np.int64)[sub // bs] * bs + sub % bs
+    for li, name in enumerate(worker.layers):
+        pp = layer_home.get(name)
+        if pp is None:
+            raise PlanError(f"remote engine {remote.engine_id!r} has no layer {name!r}")
+        ldesc = worker.descriptors[li]
+        sources, targets, expected = _sources(
+            local, worker, remote, ldesc, by_pp[pp][min(by_pp[pp])].descriptors[0]
+        )
+        notify.update((q, pp) for q in targets)
+        lgeo = geometry(ldesc)
+        lsub = lgeo.block_len // bs
+        if n_local and (int(local_ids.max()) >= lgeo.num_blocks or int(local_ids.min()) < 0):
+            raise PlanError(f"local block ids out of range 0..{lgeo.num_blocks - 1}")
+        rdesc_used: BufferDescriptor | None = None
+        for q, roff, length, loff in sources:
+            rw = by_pp[pp].get(q)
+            if rw is None:
+                raise PlanError(
+                    f"remote engine {remote.engine_id!r} has no rank tp{q}.pp{pp} registered"
+                )
+            ri = rw.layers.index(name)
+            rdesc = rw.descriptors[ri]
+            rdesc_used = rdesc
+            rgeo = geometry(rdesc)
+            if n_remote and (int(remote_ids.max()) >= rgeo.num_blocks or int(remote_ids.min()) < 0):
+                raise PlanError(f"remote block ids out of range 0..{rgeo.num_blocks - 1}")
+            if len(rgeo.bases) != len(lgeo.bases):
+                raise PlanError(f"layer {name!r}: K/V regions differ between the engines")
+            entry = reads.setdefault((q, pp), ([], [], [], [], []))
+            layer_names = entry[0]
+            if name not in layer_names:
+                layer_names.append(name)
+            r_index = layer_names.index(name)
+            for k in range(len(lgeo.bases)):
+                ro = rgeo.bases[k] + remote_ids.astype(np.int64) * rgeo.stride + roff
+                lo = (
+                    lgeo.bases[k]
+                    + (local_rows // bs) * lgeo.stride
+                    + (local_rows % bs) * lsub
+                    + loff
+                )
+                starts_r, starts_l, lengths = _coalesce(ro, lo, length, max_frame)
+                entry[1].append(np.full(starts_r.size, r_index, np.int64))
+                entry[2].append(starts_r)
+                entry[3].append(lengths)
+                entry[4].append(np.stack([np.full(starts_l.size, li, np.int64), starts_l], 1))
+        if rdesc_used is not None and _needs_fix(rdesc_used, ldesc, bs):
+            fixes.append((name, rdesc_used.memory_order))
+    plans = []
+    for (q, pp), (names, idx, offs, lens, dests) in sorted(reads.items()):
+        ranges = np.stack([np.concatenate(idx), np.concatenate(offs), np.concatenate(lens)], 1)
+        plans.append(
+            ReadPlan(
+                remote_tp_rank=q,
+                remote_pp_rank=pp,
+                remote_layers=names,
+                local_layers=list(worker.layers),
+                ranges=np.ascontiguousarray(ranges, dtype=np.int64),
+                dest=np.ascontiguousarray(np.concatenate(dests), dtype=np.int64),
+            )
+        )
+    return RankPlan(
+        reads=plans,
+        notify=sorted(notify),
+        expected_readers=expected,
+        fixes=fixes,
+        block_size_ratio=bs,
+    )

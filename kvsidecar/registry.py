@@ -1,0 +1,230 @@
+"""What the daemon knows: engines, their workers, and each worker's mapped buffers.
+
+Pure bookkeeping, no I/O: the daemon maps memory, then hands the result here. Each worker has a
+``device`` buffer set (its registered layers) and, when its engine declared host capacity, a
+``host`` buffer set: a mirror in the daemon's host pool with, per layer, the same descriptor as
+the registered layer except ``num_blocks`` (the engine's host capacity). Host block ids are
+engine-wide: id ``i`` names block ``i`` of every worker's mirror, so one `host_alloc` serves all
+of an engine's ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsidecar import layout
+from kvsidecar.errors import SidecarError
+from kvsidecar.memory.base import MappedBuffer
+from kvsidecar.memory.host_pool import BlockIdAllocator
+from kvsidecar.protocol import (
+    BufferDescriptor,
+    BufferInfo,
+    BufferSetRef,
+    EngineInfo,
+    Medium,
+    WorkerInfo,
+    WorkerRef,
+)
+
+
+@dataclass(eq=False)
+class LayerBuffer:
+    """One mapped layer: descriptor, mapping, logical view, and per-block byte views.
+
+    ``block_views`` are ``(num_blocks, row)`` uint8 views (two for a ``kv_first`` layer: K, V)
+    that the mover copies whole rows of.
+    """
+
+    name: str
+    descriptor: BufferDescriptor
+    mapped: MappedBuffer
+    cache: torch.Tensor
+    block_views: list[torch.Tensor]
+
+    @classmethod
+    def map(cls, name: str, descriptor: BufferDescriptor, mapped: MappedBuffer) -> LayerBuffer:
+        """Build the views of a mapped buffer; raises `SidecarError` if the sizes disagree."""
+        try:
+            need = layout.buffer_nbytes(descriptor)
+        except layout.LayoutError as exc:
+            raise SidecarError("incompatible_buffers", f"layer {name!r}: {exc}") from None
+        if need != mapped.nbytes:
+            raise SidecarError(
+                "incompatible_buffers",
+                f"layer {name!r}: descriptor needs {need} bytes, the handle maps {mapped.nbytes}",
+            )
+        try:
+            cache = layout.view_buffer(mapped.flat, descriptor)
+            views = layout.block_views(cache, descriptor)
+        except layout.LayoutError as exc:
+            raise SidecarError("incompatible_buffers", f"layer {name!r}: {exc}") from None
+        return cls(name, descriptor, mapped, cache, list(views))
+
+    def close(self) -> None:
+        """Drop the views, then the mapping."""
+        self.block_views = []
+        self.cache = torch.empty(0)
+        self.mapped.close()
+
+
+@dataclass(eq=False)
+class BufferSet:
+    """A worker's layers in one medium (its registered memory, or its host mirror)."""
+
+    key: tuple[WorkerRef, Medium]
+    layers: dict[str, LayerBuffer]
+    on_close: Callable[[], None] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer (every layer of a set has the same count)."""
+        first = next(iter(self.layers.values()), None)
+        return 0 if first is None else first.descriptor.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Mapped bytes over all layers."""
+        return sum(layer.mapped.nbytes for layer in self.layers.values())
+
+    def close(self) -> None:
+        """Release every layer's mapping, then the set's own resources (host extents)."""
+        for layer in self.layers.values():
+            layer.close()
+        self.layers = {}
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
+
+@dataclass(eq=False)
+class Worker:
+    """One registered worker process."""
+
+    ref: WorkerRef
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    device: BufferSet
+    host: BufferSet | None
+    lease_deadline: float
+    fd_connection: Hashable | None = None
+    """The fd-channel connection its fds came on; its closing means the worker died."""
+
+    def buffer_set(self, medium: Medium) -> BufferSet:
+        """Return the registered layers or the host mirror (``pool_exhausted`` if it has none)."""
+        if medium == "device":
+            return self.device
+        if self.host is None:
+            raise SidecarError(
+                "pool_exhausted",
+                f"{self.ref.label()} has no host mirror (its engine declared host_blocks=0)",
+            )
+        return self.host
+
+    def close(self) -> None:
+        """Release the registered mappings and the host mirror."""
+        self.device.close()
+        if self.host is not None:
+            self.host.close()
+
+
+@dataclass(eq=False)
+class Engine:
+    """An engine: its identity, its workers, its host-block id space."""
+
+    engine_id: str
+    model_hash: str
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    host_blocks: int
+    allocator: BlockIdAllocator | None
+    workers: dict[WorkerRef, Worker] = field(default_factory=dict)
+
+    def host_used(self) -> int:
+        """Host blocks currently allocated to this engine."""
+        if self.allocator is None:
+            return 0
+        return self.host_blocks - self.allocator.num_free
+
+
+class Registry:
+    """Engines and workers by name, with the lookups commands need (typed errors on a miss)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.workers: dict[WorkerRef, Worker] = {}
+
+    def engine(self, engine_id: str) -> Engine:
+        """Return the engine, or raise ``unknown_engine``."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise SidecarError("unknown_engine", f"no engine {engine_id!r} is registered")
+        return engine
+
+    def worker(self, ref: WorkerRef) -> Worker:
+        """Return the worker, or raise ``unknown_engine`` / ``unknown_worker``."""
+        worker = self.workers.get(ref)
+        if worker is None:
+            self.engine(ref.engine_id)
+            raise SidecarError("unknown_worker", f"no worker {ref.label()} is registered")
+        return worker
+
+    def buffer_set(self, ref: BufferSetRef) -> BufferSet:
+        """Resolve one side of a move."""
+        return self.worker(ref.worker).buffer_set(ref.medium)
+
+    def add(self, engine: Engine, worker: Worker) -> None:
+        """Record a worker (and its engine, if new)."""
+        self.engines.setdefault(engine.engine_id, engine)
+        self.engines[engine.engine_id].workers[worker.ref] = worker
+        self.workers[worker.ref] = worker
+
+    def remove(self, ref: WorkerRef) -> Worker | None:
+        """Forget a worker (the caller releases it); drop its engine when it was the last one."""
+        worker = self.workers.pop(ref, None)
+        if worker is None:
+            return None
+        engine = self.engines.get(ref.engine_id)
+        if engine is not None:
+            engine.workers.pop(ref, None)
+            if not engine.workers:
+                del self.engines[ref.engine_id]
+        return worker
+
+    def engine_infos(self, now: float, in_flight: Callable[[WorkerRef], int]) -> list[EngineInfo]:
+        """Status view of every engine."""
+        out = []
+        for engine in self.engines.values():
+            workers = []
+            for w in engine.workers.values():
+                layers = [
+                    BufferInfo(name, lb.mapped.kind, lb.mapped.nbytes, lb.descriptor)
+                    for name, lb in w.device.layers.items()
+                ]
+                workers.append(
+                    WorkerInfo(
+                        worker=w.ref,
+                        tp_size=w.tp_size,
+                        pp_size=w.pp_size,
+                        dcp_size=w.dcp_size,
+                        layers=layers,
+                        nbytes=w.device.nbytes,
+                        host_mirror_bytes=0 if w.host is None else w.host.nbytes,
+                        lease_left_s=max(0.0, w.lease_deadline - now),
+                        in_flight=in_flight(w.ref),
+                    )
+                )
+            out.append(
+                EngineInfo(
+                    engine_id=engine.engine_id,
+                    model_hash=engine.model_hash,
+                    workers=workers,
+                    host_blocks=engine.host_blocks,
+                    host_blocks_used=engine.host_used(),
+                )
+            )
+        return out

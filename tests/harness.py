@@ -1,0 +1,203 @@
+"""Test harness: daemons (in-process or as a process) and worker processes that always stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsidecar.client import SidecarClient
+from kvsidecar.config import SETTINGS, Config
+from kvsidecar.daemon import Daemon
+from kvsidecar.errors import SidecarError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_config(**overrides: Any) -> Config:
+    """A config in a fresh short temp dir (Unix socket paths must stay < 108 bytes)."""
+    runtime = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    values: dict[str, Any] = {
+        "runtime_dir": runtime,
+        "host_pool_bytes": 64 << 20,
+        "lease_s": 2.0,
+        "drain_timeout_s": 3.0,
+        "fd_wait_s": 2.0,
+    }
+    values.update(overrides)
+    return Config(**values)
+
+
+@contextlib.asynccontextmanager
+async def run_daemon(config: Config) -> AsyncIterator[Daemon]:
+    """Serve ``config`` in this event loop; always shut down and remove the runtime dir."""
+    daemon = Daemon(config)
+    task = asyncio.create_task(daemon.serve())
+    started = asyncio.create_task(daemon.started.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, started}, timeout=10, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task in done:
+            task.result()  # re-raise the startup failure
+        if started not in done:
+            raise TimeoutError("daemon did not start within 10 s")
+        yield daemon
+    finally:
+        started.cancel()
+        daemon.request_exit()
+        try:
+            await asyncio.wait_for(task, 15)
+        finally:
+            shutil.rmtree(config.runtime_dir, ignore_errors=True)
+
+
+def config_env(config: Config) -> dict[str, str]:
+    """The environment that gives a daemon process exactly ``config``."""
+    env = dict(os.environ)
+    for s in SETTINGS:
+        env[s.env_var] = str(getattr(config, s.name))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class DaemonProcess:
+    """A ``python -m kvsidecar.daemon`` child with its config and log file."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log_path = Path(config.runtime_dir) / "daemon.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar.daemon"],
+            env=config_env(config),
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                SidecarClient(self.config.endpoint, timeout_s=0.5, heartbeat=False).close()
+                return
+            except SidecarError:
+                time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def daemon_process(config: Config | None = None) -> Iterator[DaemonProcess]:
+    """A daemon process serving ``config``; stopped and its runtime dir removed at exit."""
+    config = config or make_config()
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
+
+
+class WorkerProcess:
+    """A ``tests.helpers.kv_worker`` child: registers KV caches, dumps them on request."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.kv_worker", json.dumps(spec)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _line(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"worker {self.spec['engine']} silent for {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait(5)}")
+        return line.strip()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        # Generous: ten processes importing torch at once on two busy cores take a while.
+        assert self._line(timeout) == "ready"
+
+    def dump(self, directory: Path, timeout: float = 30.0) -> list[np.ndarray]:
+        """Each layer's logical (2, B, N, H, C) values as they are now."""
+        directory.mkdir(parents=True, exist_ok=True)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"dump {directory}\n")
+        self.proc.stdin.flush()
+        assert self._line(timeout) == "ok"
+        return [np.load(directory / f"layer{i}.npy") for i in range(self.spec["layers"])]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
+@contextlib.contextmanager
+def workers(specs: list[dict[str, Any]]) -> Iterator[list[WorkerProcess]]:
+    """Start every worker at once (separate processes), wait until all registered, stop all."""
+    procs = [WorkerProcess(s) for s in specs]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        # Ask all to exit first, then wait: stopping them one by one costs a second each.
+        for p in procs:
+            with contextlib.suppress(BrokenPipeError, OSError, AssertionError):
+                assert p.proc.stdin is not None
+                p.proc.stdin.write("exit\n")
+                p.proc.stdin.flush()
+        for p in procs:
+            p.stop()
