@@ -1,5 +1,8 @@
 """Block-copy benchmark: kvsidecar.mover against a naive per-layer copy and raw memcpy, one run.
 
+The in-process half of ``kvsidecar bench local``, with two layouts and two thread counts; the
+workload helpers live in `kvsidecar.bench.workload`.
+
 Each layer is one K-or-V tensor of shape (num_blocks, 16, 8, 128) float16 (32 KiB per block);
 ``--blocks`` block ids move per layer. With the defaults, 32 layers x 4096 blocks are 4 GiB per
 side and 512 blocks x 32 layers = 512 MiB move per copy. Two id sets: random distinct ids, and
@@ -29,77 +32,28 @@ import json
 import os
 import platform
 import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from kvsidecar import mover
+from kvsidecar.bench import workload
+from kvsidecar.bench.common import round_robin
+from kvsidecar.bench.workload import check_blocks, make_ids, mark_blocks
 
 BLOCK_SHAPE = (16, 8, 128)  # block_size, num_kv_heads, head_size
 DTYPE = torch.float16
 TORCH_THREADS = torch.get_num_threads()
 
 
-def make_ids(kind: str, count: int, num_blocks: int, run: int, rng: np.random.Generator):
-    if kind == "random":
-        return (
-            rng.choice(num_blocks, count, replace=False),
-            rng.choice(num_blocks, count, replace=False),
-        )
-    runs = -(-count // run)
-
-    def side() -> np.ndarray:
-        starts = rng.choice(num_blocks // run, runs, replace=False) * run
-        return (starts[:, None] + np.arange(run)).ravel()[:count]
-
-    return side(), side()
-
-
-def round_robin(
-    methods: list[tuple[str, Callable[[], Any]]], repeat: int, nbytes: int
-) -> dict[str, list[float]]:
-    """GB/s of each method, timed in turns so that all see the same background load."""
-    rates: dict[str, list[float]] = {name: [] for name, _ in methods}
-    for _ in range(repeat):
-        for name, fn in methods:
-            start = time.perf_counter()
-            fn()
-            rates[name].append(nbytes / (time.perf_counter() - start) / 1e9)
-    return rates
-
-
-def mark_blocks(views: list[torch.Tensor]) -> None:
-    """Write (layer, block) into each block's first two int16s, to check the copy afterwards."""
-    for layer, view in enumerate(views):
-        flat = view.view(torch.int16).view(view.shape[0], -1)
-        flat[:, 0] = torch.arange(view.shape[0], dtype=torch.int16)
-        flat[:, 1] = layer
-
-
-def check_blocks(dst: list[torch.Tensor], src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-    d_idx = torch.from_numpy(dst_ids)
-    for layer, view in enumerate(dst):
-        flat = view.view(torch.int16).view(view.shape[0], -1)
-        got = flat.index_select(0, d_idx)[:, :2]
-        assert torch.equal(got[:, 0], torch.from_numpy(src_ids).to(torch.int16)), layer
-        assert bool((got[:, 1] == layer).all()), layer
-
-
 def allocate(layers: int, num_blocks: int, region: bool) -> list[torch.Tensor]:
-    shape = (num_blocks, *BLOCK_SHAPE)
-    if region:
-        whole = torch.empty((layers, *shape), dtype=DTYPE)
-        whole.fill_(0)  # touch every page now
-        return list(whole.unbind(0))
-    views = []
-    for _ in range(layers):
-        t = torch.empty(shape, dtype=DTYPE)
-        t.fill_(0)
-        views.append(t)
-    return views
+    return workload.allocate(layers, num_blocks, BLOCK_SHAPE, DTYPE, region)
 
 
 def bench_ids(

@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
 
+    keygen = sub.add_parser(  # security
+        "keygen",
+        help="write a CurveZMQ key pair: <dir>/<name>.key (public) and .key_secret (mode 0600)",
+    )
+    keygen.add_argument("directory", help="where to write the key files (created if missing)")
+    keygen.add_argument("--name", default="kvsidecar", help="file name stem [kvsidecar]")
+
     demo = sub.add_parser(
         "demo",
         help="start a daemon and engine-worker processes, move and fix blocks, verify every byte",
@@ -108,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--blocks", type=int, default=512, help="KV blocks per layer")
     demo.add_argument("--rounds", type=int, default=3, help="rounds of every move kind")
     demo.add_argument("--keep-going", action="store_true", help=argparse.SUPPRESS)
+
+    from kvsidecar.bench.cli import add_bench_parser  # light: no torch at parse time
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -119,7 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             config = _load_config(args)
             setup_logging(config.log_level, args.log_format)
+            import prometheus_client
+
             from kvsidecar.daemon import Daemon
+
+            # Process-wide, hence here and not in the library: no `_created` series per counter.
+            prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
             Daemon(config).run()
             return EXIT_OK
@@ -133,11 +149,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvsidecar.status import print_status
 
             return print_status(args.endpoint, timeout=args.timeout)
+        if args.command == "keygen":  # security
+            from kvsidecar.auth import keygen
+
+            try:
+                public, secret = keygen(args.directory, args.name)
+            except FileExistsError as exc:
+                print(f"kvsidecar: {exc}", file=sys.stderr)
+                return EXIT_FAILED
+            print(f"public key: {public}\nsecret key: {secret} (mode 0600)")
+            return EXIT_OK
         if args.command == "demo":
             setup_logging("warning", args.log_format)
             from kvsidecar.demo import run_demo
 
             return run_demo(layers=args.layers, blocks=args.blocks, rounds=args.rounds)
+        if args.command == "bench":
+            setup_logging("warning", args.log_format)
+            from kvsidecar.bench.cli import run_bench
+
+            return run_bench(args)
     except ConfigError as exc:
         print(f"kvsidecar: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG

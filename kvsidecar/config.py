@@ -127,7 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "auto",
         "How block bytes travel between daemons: nixl, zmq, or auto (NIXL when installed and "
-        "working, else ZMQ).",
+        "working and a peer endpoint is set, else ZMQ).",
     ),
     Setting(
         "peer_lease_s",
@@ -158,6 +158,73 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         4 << 20,
         "Bytes per read chunk on the ZMQ plane (one request/reply message).",
+    ),
+    # --- metrics endpoint (kvsidecar/observability.py) ---
+    Setting(
+        "metrics_host",
+        str,
+        "127.0.0.1",
+        "Address of the HTTP endpoint serving /metrics, /healthz and /readyz.",
+    ),
+    Setting(
+        "metrics_port",
+        int,
+        9464,
+        "Port of the HTTP endpoint; 0 picks a free port (logged, and in status), -1 disables it.",
+    ),
+    Setting(
+        "metrics_grace_s",
+        float,
+        30.0,
+        "How long a departed engine's metric series stay (two scrape intervals or more).",
+    ),
+    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
+    Setting(
+        "allowed_uids",
+        str,
+        "",
+        "Comma-separated uids that may connect to the ipc endpoint and the fd channel. Empty: "
+        "the daemon's own uid only.",
+    ),
+    Setting(
+        "curve_secret_key",
+        str,
+        "",
+        "CurveZMQ secret key file of this daemon (from `kvsidecar keygen`); required for a tcp "
+        "endpoint unless insecure.",
+    ),
+    Setting(
+        "curve_authorized_keys",
+        str,
+        "",
+        "File or directory of the CurveZMQ public keys allowed to connect over tcp. Empty: only "
+        "this daemon's own public key.",
+    ),
+    Setting(
+        "insecure",
+        bool,
+        False,
+        "Allow plain tcp without CurveZMQ (anyone who reaches the port is trusted). Logged and "
+        "exported as kvsidecar_insecure_transport.",
+    ),
+    Setting(
+        "max_moves_per_worker",
+        int,
+        256,
+        "Moves and fixes queued or running per worker; beyond it commands get a busy error.",
+    ),
+    Setting(
+        "max_moves_total",
+        int,
+        4096,
+        "Moves and fixes queued or running on the daemon; beyond it commands get a busy error.",
+    ),
+    Setting(
+        "checksum",
+        bool,
+        False,
+        "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
+        "for it on its own).",
     ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""
@@ -235,6 +302,18 @@ class Config:
     peer_handshake_timeout_s: float = 5.0
     peer_max_in_flight: int = 8
     peer_chunk_bytes: int = 4 << 20
+    # --- metrics endpoint ---
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    metrics_grace_s: float = 30.0
+    # --- reliability and security ---
+    allowed_uids: str = ""
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
+    insecure: bool = False
+    max_moves_per_worker: int = 256
+    max_moves_total: int = 4096
+    checksum: bool = False
 
     def __post_init__(self) -> None:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
@@ -278,6 +357,38 @@ class Config:
             raise ConfigError("peer_max_in_flight must be >= 1")
         if self.peer_chunk_bytes < 4096:
             raise ConfigError("peer_chunk_bytes must be >= 4096")
+        # --- metrics endpoint ---
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"metrics_port must be -1 (off), 0 (any free) or a port, not {self.metrics_port}"
+            )
+        if not self.metrics_grace_s >= 0:
+            raise ConfigError("metrics_grace_s must be >= 0")
+        # --- reliability and security ---
+        if self.endpoint.startswith("tcp://") and not (self.curve_secret_key or self.insecure):
+            raise ConfigError(
+                "a tcp endpoint needs curve_secret_key (see `kvsidecar keygen`) or, knowingly, "
+                "insecure"
+            )
+        if self.peer_endpoint and not (self.curve_secret_key or self.insecure):
+            raise ConfigError(
+                "a peer_endpoint needs curve_secret_key (see `kvsidecar keygen`) or, knowingly, "
+                "insecure"
+            )
+        if self.max_moves_per_worker < 1 or self.max_moves_total < 1:
+            raise ConfigError("max_moves_per_worker and max_moves_total must be >= 1")
+        try:
+            _ = self.uids
+        except ValueError:
+            raise ConfigError(
+                f"allowed_uids must be comma-separated integers, got {self.allowed_uids!r}"
+            ) from None
+
+    @property
+    def uids(self) -> frozenset[int]:
+        """The uids allowed on the ipc endpoint and the fd channel (default: our own)."""
+        parts = [p.strip() for p in self.allowed_uids.split(",") if p.strip()]
+        return frozenset(int(p) for p in parts) if parts else frozenset({os.geteuid()})
 
     @property
     def ipc_path(self) -> str | None:
@@ -303,7 +414,10 @@ class Config:
         values: dict[str, Any] = {}
         if file is not None:
             with open(file, "rb") as fh:
-                data = tomllib.load(fh)
+                try:
+                    data = tomllib.load(fh)
+                except tomllib.TOMLDecodeError as exc:
+                    raise ConfigError(f"{file}: not valid TOML: {exc}") from None
             # Accept both a flat file and one with a [kvsidecar] table.
             table = data.get("kvsidecar", data)
             if not isinstance(table, dict):

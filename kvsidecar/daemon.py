@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -31,6 +32,10 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import __version__, layout
+from kvsidecar.access import AccessControl, Principal  # security
+from kvsidecar.admission import Admission  # reliability
+from kvsidecar.auth import CONTROL_DOMAIN, ZapHandler, control_transport, secure_server_socket
+from kvsidecar.completions import CompletionService
 from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
 from kvsidecar.executor import CopyExecutor
@@ -41,15 +46,20 @@ from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
 from kvsidecar.memory.shm import ShmHandle, open_shm_all
-from kvsidecar.protocol import (
+from kvsidecar.metrics import LayoutFixKind, Readiness, StateSnapshot
+from kvsidecar.observability import Observability, move_fix_kind, move_kind, readiness, snapshot
+from kvsidecar.peer.service import PeerService  # peer
+from kvsidecar.protocol import (  # peer
     PROTOCOL_VERSION,
     REQUEST_TAGS,
     BufferDescriptor,
+    Collect,
     CudaIpcRef,
     Envelope,
     Error,
     Fixed,
     FixLayout,
+    Grant,
     Heartbeat,
     Hello,
     HelloReply,
@@ -59,20 +69,23 @@ from kvsidecar.protocol import (
     Move,
     Moved,
     Ok,
+    PeerCompletion,
+    Publish,
+    Pull,
     Register,
     Registered,
     Reply,
+    Report,
     Request,
     ShmRef,
     Status,
     StatusReply,
+    TakePeerEvents,
     Unregister,
     WorkerRef,
 )
-from kvsidecar.peer.service import PeerService  # peer
-from kvsidecar.protocol import Publish, Pull, TakePeerEvents  # peer
-from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker
-from kvsidecar.sdnotify import Notifier
+from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
+from kvsidecar.sdnotify import Notifier, watchdog_loop
 
 log = logging.getLogger("kvsidecar.daemon")
 
@@ -115,6 +128,25 @@ class Daemon:
         self.moves_failed_total = 0
         self.bytes_moved_total = 0
         self.errors_total = 0
+        # --- completions + metrics (issue 4: kvsidecar/completions.py, observability.py) ---
+        self.completions = CompletionService()
+        """Per-engine completion aggregation (the ``report`` and ``collect`` commands)."""
+        self.observability = Observability(config)
+        """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
+        # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
+        self.access = AccessControl(exists=self.registry.engines.__contains__)
+        """Connection -> engine bindings and sharing grants."""
+        self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
+        self.zap: ZapHandler | None = None
+        """Authenticates connections (peer uid on ipc, CURVE key on tcp); set in startup."""
+        self.insecure_transport = False
+        """True when the control endpoint is plain tcp (``insecure``); exported as a metric."""
+        self.integrity_failures_total = 0
+        """Moves whose end-to-end checksum found corrupted destination blocks."""
+        # Epochs start at the start time in microseconds: unique across daemon restarts too.
+        self._epochs = itertools.count(time.time_ns() // 1000)
+        self._jobs: dict[asyncio.Future[Any], frozenset[Hashable]] = {}
+        """Pending copy jobs and the workers they touch (failed when one of them is released)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,11 +203,19 @@ class Daemon:
             # Allocated and touched up front: first touch is several times slower than a copy.
             self._pool = HostPool(cfg.host_pool_bytes)
         self._executor = CopyExecutor(cfg.copy_threads)
-        self._fd_server = FdChannelServer(cfg.fd_socket, on_close=self._on_fd_close)
+        self._fd_server = FdChannelServer(
+            cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids
+        )
         await self._fd_server.start()
+        transport = control_transport(cfg)  # security: ConfigError on bad key files
+        self.insecure_transport = transport.insecure
         self._ctx = zmq.asyncio.Context()
+        self.zap = ZapHandler(self._ctx)
+        self.zap.policies[CONTROL_DOMAIN] = transport.policy
+        self.zap.start()  # before bind: the socket refuses connections nobody vouches for
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_server_socket(sock, domain=CONTROL_DOMAIN, keys=transport.keys)
         # Hard ceiling enforced by libzmq itself (the peer is disconnected); below it, oversize
         # requests get a typed too_large reply from `_on_message`.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)
@@ -187,12 +227,29 @@ class Daemon:
         self.peer = PeerService(cfg, self.registry, self._executor)
         await self.peer.start()
         # --- end peer ---
+        # --- completions + metrics: peer outcomes feed the aggregation; endpoint bound last ---
+        self.peer.on_completion = self._on_peer_completion
+        await self.observability.start(self, self.readiness)
+        # security: plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport
+        peer_plain = bool(cfg.peer_endpoint) and not cfg.curve_secret_key
+        self.insecure_transport = self.insecure_transport or peer_plain
+        self.observability.metrics.set_insecure_transport(self.insecure_transport)
         self._started_at = time.monotonic()
         self._background = [
             asyncio.create_task(self._recv_loop(), name="kvsidecar-recv"),
             asyncio.create_task(self._lease_loop(), name="kvsidecar-leases"),
         ]
         self._notifier.ready(f"serving on {cfg.endpoint}")
+        interval = self._notifier.watchdog_interval()
+        if interval is not None:  # WatchdogSec=: pinged from the loop, so a stalled loop stops it
+            self._background.append(
+                asyncio.create_task(
+                    watchdog_loop(
+                        self._notifier, interval, healthy=self.observability.loop_healthy
+                    ),
+                    name="kvsidecar-watchdog",
+                )
+            )
         log.info(
             "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
         )
@@ -231,6 +288,9 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self.zap is not None:
+            await self.zap.close()
+            self.zap = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -244,6 +304,9 @@ class Daemon:
         if self.config.ipc_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ipc_path)
+        # Last: /readyz answers "draining" for as long as the drain above runs.
+        self.completions.close()
+        await self.observability.close()
         self._notifier.close()
         log.info("kvsidecar stopped")
 
@@ -259,7 +322,17 @@ class Daemon:
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
 
-    def _send(self, ident: bytes, reply: Reply, data: tuple[Any, ...] = ()) -> None:
+    def _send(
+        self,
+        ident: bytes,
+        reply: Reply,
+        data: tuple[Any, ...] = (),
+        *,
+        command: str = "",
+        started: float = 0.0,
+    ) -> None:
+        if command:  # metrics: every answered command, by type and result, with its latency
+            self.observability.command(command, reply, started)
         if self._sock is None:
             return
         if isinstance(reply, Error):
@@ -273,6 +346,8 @@ class Daemon:
         ident = frames[0].bytes
         body = frames[1:]
         request_id = 0
+        started = time.perf_counter()
+        command = "unknown"  # metrics label until the header decodes
         try:
             if not body:
                 raise SidecarError("bad_frame", "a request needs a header frame")
@@ -290,6 +365,7 @@ class Daemon:
                 )
             request = self._decode(header)
             request_id = request.id
+            command = str(type(request).__struct_config__.tag)
             want = _DATA_FRAMES.get(type(request), 0)
             if len(body) - 1 != want:
                 raise SidecarError(
@@ -298,18 +374,82 @@ class Daemon:
                 )
             if self.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
+            self._authorize(request, ident, body[0])  # security: forbidden before anything
             result = self._dispatch(request, [f.buffer for f in body[1:]])
+            if isinstance(request, Register) and not isinstance(result, tuple):
+                result = self._bind_on_success(ident, body[0], result)
         except SidecarError as exc:
             rid = request_id or exc.request_id
-            self._send(ident, Error(id=rid, code=exc.code, message=exc.message))
+            self._send(
+                ident,
+                Error(id=rid, code=exc.code, message=exc.message),
+                command=command,
+                started=started,
+            )
             return
         if isinstance(result, tuple):
             reply, data = result
-            self._send(ident, reply, data)
+            self._send(ident, reply, data, command=command, started=started)
         else:
-            task = asyncio.create_task(self._finish(ident, request_id, result))
+            task = asyncio.create_task(
+                self._finish(ident, request_id, result, command=command, started=started)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ access (security)
+
+    def _principal(self, ident: bytes, frame: zmq.Frame) -> Principal:
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
+            user = ""
+        return self.access.principal(ident, str(user))
+
+    def _authorize(self, req: Request, ident: bytes, frame: zmq.Frame) -> None:
+        """Raise ``forbidden`` unless the connection may do ``req`` (see kvsidecar.access)."""
+        if isinstance(req, Hello | Status | Heartbeat):
+            return
+        who = self._principal(ident, frame)
+        acl = self.access
+        match req:
+            case Move():
+                acl.check(who, req.src.worker.engine_id, write=False, what="move source")
+                acl.check(who, req.dst.worker.engine_id, write=True, what="move destination")
+            case FixLayout():
+                acl.check(who, req.target.worker.engine_id, write=True, what="fix_layout")
+            case HostAlloc() | HostFree():
+                acl.check(who, req.engine_id, write=True, what=type(req).__name__)
+            case Register():
+                acl.check_register(who, req.worker.engine_id)
+            case Unregister():
+                acl.check_owner(who, req.worker.engine_id, "unregister")
+            case Grant():
+                acl.check_owner(who, req.owner.engine_id, "grant")
+            case Pull():
+                acl.check(who, req.engine_id, write=True, what="pull")
+            case Publish():
+                acl.check(who, req.engine_id, write=False, what="publish")
+            case TakePeerEvents():
+                if req.engine_id:
+                    acl.check_owner(who, req.engine_id, "take_peer_events")
+                elif not who.admin:
+                    raise SidecarError("forbidden", "take_peer_events of every engine: admin only")
+            case _:
+                # Other commands (report, collect) name one engine, which must be the sender's.
+                engine_id = getattr(req, "engine_id", None) or getattr(
+                    getattr(req, "worker", None), "engine_id", None
+                )
+                if isinstance(engine_id, str):
+                    acl.check_owner(who, engine_id, type(req).__name__)
+
+    async def _bind_on_success(
+        self, ident: bytes, frame: zmq.Frame, work: Coroutine[Any, Any, Reply]
+    ) -> Reply:
+        reply = await work
+        if isinstance(reply, Registered):
+            self.access.bind(ident, reply.worker, self._principal(ident, frame).user)
+        return reply
 
     def _peek_id(self, header: memoryview) -> int:
         try:
@@ -334,7 +474,13 @@ class Daemon:
             raise SidecarError("bad_frame", f"header is not msgpack: {exc}") from None
 
     async def _finish(
-        self, ident: bytes, request_id: int, work: Coroutine[Any, Any, Reply]
+        self,
+        ident: bytes,
+        request_id: int,
+        work: Coroutine[Any, Any, Reply],
+        *,
+        command: str = "",
+        started: float = 0.0,
     ) -> None:
         try:
             reply = await work
@@ -342,13 +488,16 @@ class Daemon:
             reply = Error(id=request_id, code=exc.code, message=exc.message)
         except asyncio.CancelledError:
             self._send(
-                ident, Error(id=request_id, code="shutting_down", message="cancelled by shutdown")
+                ident,
+                Error(id=request_id, code="shutting_down", message="cancelled by shutdown"),
+                command=command,
+                started=started,
             )
             raise
         except Exception as exc:
             log.exception("request %d failed", request_id)
             reply = Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
-        self._send(ident, reply)
+        self._send(ident, reply, command=command, started=started)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -370,6 +519,12 @@ class Daemon:
                 return self._host_free(req, data[0]), ()
             case Move():
                 return self._move(req, data)
+            case Grant():  # security
+                self.registry.worker(req.owner)
+                if not req.grantee:
+                    raise SidecarError("invalid_message", "grantee must not be empty")
+                self.access.grant(req.owner.engine_id, req.grantee, read=req.read, write=req.write)
+                return Ok(id=req.id), ()
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 return self._run_job(prepare_fix(self.registry, req, ids), req.id, move=False)
@@ -386,11 +541,17 @@ class Daemon:
                 assert self.peer is not None
                 return self.peer.take_events(req), ()
             # --- end peer ---
+            # --- completions (kvsidecar/completions.py) ---
+            case Report():
+                return self.completions.report(req), ()
+            case Collect():
+                return self.completions.collect(req)
+            # --- end completions ---
             case Register():
                 _check_version(req.protocol_version)
                 return self._register(req)
             case Unregister():
-                self.registry.worker(req.worker)
+                check_epoch(self.registry.worker(req.worker), req.epoch)
                 return self._unregister(req)
         raise SidecarError(
             "unknown_message", f"no handler for {type(req).__name__}"
@@ -409,11 +570,14 @@ class Daemon:
             lease_s=cfg.lease_s,
             max_message_bytes=cfg.max_message_bytes,
             max_ids_per_command=cfg.max_ids_per_command,
+            metrics_port=self.observability.port,
         )
 
     def _heartbeat(self, req: Heartbeat) -> Ok:
         deadline = time.monotonic() + self.config.lease_s
         workers = [self.registry.worker(ref) for ref in req.workers]  # all known, or none renewed
+        for worker, epoch in zip(workers, req.epochs, strict=False):
+            check_epoch(worker, epoch)  # a restarted worker's old heartbeat renews nothing
         for worker in workers:
             worker.lease_deadline = deadline
         return Ok(id=req.id)
@@ -447,21 +611,81 @@ class Daemon:
     def _move(self, req: Move, data: list[memoryview]) -> Coroutine[Any, Any, Reply]:
         src_ids = self._ids(data[0], req.ids_dtype, "source")
         dst_ids = self._ids(data[1], req.ids_dtype, "destination")
-        return self._run_job(prepare_move(self.registry, req, src_ids, dst_ids), req.id, move=True)
+        checksum = self.config.checksum if req.checksum is None else req.checksum
+        job = prepare_move(self.registry, req, src_ids, dst_ids, checksum=checksum)
+        # Classified now: by the time the move ends its workers may have left the registry.
+        fix = move_fix_kind(self.registry, req) if job.fixed else None
+        invalid = dst_ids.tolist() if req.request_ids else []
+        return self._track_move(req, fix, invalid, self._run_job(job, req.id, move=True))
+
+    async def _track_move(
+        self,
+        req: Move,
+        fix: LayoutFixKind | None,
+        dst_ids: list[int],
+        work: Coroutine[Any, Any, Reply],
+    ) -> Reply:
+        """Metrics and completions of one move: counted by kind, its request ids credited."""
+        kind = move_kind(req.src, req.dst)
+        try:
+            reply = await work
+        except BaseException as exc:
+            if isinstance(exc, SidecarError):
+                code = exc.code
+            elif isinstance(exc, asyncio.CancelledError):
+                code = "shutting_down"
+            else:
+                code = "internal"
+            self.observability.move_failed(kind, code)
+            self.completions.move_finished(
+                req.src, req.dst, req.request_ids, ok=False, dst_ids=dst_ids
+            )
+            raise
+        if isinstance(reply, Moved):
+            self.observability.move_done(
+                kind, req.dst.worker.engine_id, reply.nbytes, reply.seconds
+            )
+            self.observability.layout_fixed(fix)
+        self.completions.move_finished(req.src, req.dst, req.request_ids, ok=True)
+        return reply
 
     def _run_job(self, job: Job, request_id: int, *, move: bool) -> Coroutine[Any, Any, Reply]:
         assert self._executor is not None
+        # reliability: bounded queue (busy beyond it); the workers as they are now, so that a
+        # release (or re-registration) while the job waits or runs fails it instead of
+        # reporting bytes that may have gone to, or come from, memory nobody owns any more.
+        refs = [w for w in job.workers if isinstance(w, WorkerRef)]
+        ticket = self.admission.admit(refs)
+        owners = {ref: self.registry.workers.get(ref) for ref in refs}
         # Claim the blocks now, synchronously, so that arrival order is application order.
         pending = asyncio.ensure_future(
             self._executor.submit(job.run, reads=job.reads, writes=job.writes)
         )
         pending.add_done_callback(_consume_exception)
+        self._jobs[pending] = job.workers
+        pending.add_done_callback(lambda fut: self._jobs.pop(fut, None))
+        pending.add_done_callback(lambda _: self.admission.release(ticket))
         started = time.perf_counter()
 
         async def finish() -> Reply:
             try:
-                nbytes = await pending
-            except Exception:
+                try:
+                    nbytes = await pending
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if pending.cancelled() and not (me and me.cancelling()):  # by `_release`
+                        raise SidecarError(
+                            "worker_lost", "a worker of this move was released while it waited"
+                        ) from None
+                    raise
+                lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
+                if lost:
+                    raise SidecarError(
+                        "worker_lost",
+                        f"{', '.join(r.label() for r in lost)} was released during the move; "
+                        "its outcome is unknown",
+                    )
+            except BaseException:
                 if move:
                     self.moves_failed_total += 1
                 raise
@@ -470,8 +694,22 @@ class Daemon:
                 return Fixed(id=request_id, blocks=job.blocks)
             self.moves_total += 1
             self.bytes_moved_total += nbytes
+            check = job.verification
+            if check is not None and check.invalid_block_ids:
+                self.integrity_failures_total += 1
+                log.warning(
+                    "move %d: checksum mismatch on destination blocks %s",
+                    request_id,
+                    check.invalid_block_ids[:16],
+                )
             return Moved(
-                id=request_id, blocks=job.blocks, nbytes=nbytes, seconds=seconds, fixed=job.fixed
+                id=request_id,
+                blocks=job.blocks,
+                nbytes=nbytes,
+                seconds=seconds,
+                fixed=job.fixed,
+                verified=check is not None and check.verified,
+                invalid_block_ids=[] if check is None else check.invalid_block_ids,
             )
 
         return finish()
@@ -501,6 +739,7 @@ class Daemon:
             bytes_moved_total=self.bytes_moved_total,
             errors_total=self.errors_total,
             draining=self.draining,
+            metrics_port=self.observability.port,
         )
 
     # ------------------------------------------------------------------ registration
@@ -543,8 +782,14 @@ class Daemon:
             host=host,
             lease_deadline=time.monotonic() + self.config.lease_s,
             fd_connection=conn_id,
+            epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
         )
         self.registry.add(engine, worker)
+        # completions + metrics: reports carry this registration's epoch; engine series at 0
+        epoch = self.completions.worker_registered(
+            ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
+        )
+        self.observability.engine_added(ref.engine_id)
         log.info(
             "registered %s: %d layers, %d bytes, %d host blocks",
             ref.label(),
@@ -559,6 +804,7 @@ class Daemon:
             nbytes=device.nbytes,
             host_blocks=engine.host_blocks if host is not None else 0,
             lease_s=self.config.lease_s,
+            epoch=epoch,
         )
 
     def _engine_for(self, req: Register) -> Engine:
@@ -667,6 +913,18 @@ class Daemon:
         worker = self.registry.remove(ref)
         if worker is None:
             return
+        # completions + metrics: what waited for this worker completes (receiving: failed)
+        self.completions.worker_departed(ref, why)
+        if ref.engine_id not in self.registry.engines:
+            self.observability.engine_departed(ref.engine_id)
+        # reliability + security: its queued copies fail now (worker_lost; running ones finish
+        # on their thread and fail at the end), its connection binding and grants go.
+        for fut, refs in list(self._jobs.items()):
+            if ref in refs:
+                fut.cancel()
+        self.access.unbind(ref)
+        if ref.engine_id not in self.registry.engines:
+            self.access.drop_engine(ref.engine_id)
         if self._executor is not None:
             keys: set[Hashable] = {worker.device.key}
             if worker.host is not None:
@@ -696,7 +954,36 @@ class Daemon:
             now = time.monotonic()
             for ref, worker in list(self.registry.workers.items()):
                 if worker.lease_deadline < now:
+                    self.observability.lease_expired(ref.engine_id)
                     self._spawn(self._release(ref, "lease expired"))
+
+    # ------------------------------------------------------------------ metrics and completions
+
+    def metrics_state(self) -> StateSnapshot:
+        """`kvsidecar.metrics.StateProvider`: live state, read at every scrape."""
+        pool, executor = self._pool, self._executor
+        return snapshot(
+            self.registry,
+            pool_capacity=0 if pool is None else pool.capacity_bytes,
+            pool_used=0 if pool is None else pool.used_bytes,
+            in_flight=0 if executor is None else executor.in_flight,
+            pending=self.completions.pending_requests(),
+        )
+
+    def readiness(self) -> Readiness:
+        """`kvsidecar.metrics.HealthProvider`: what ``/readyz`` decides on."""
+        return readiness(
+            sockets_bound=self._sock is not None and self.started.is_set(),
+            pool_needed=self.config.host_pool_bytes > 0,
+            pool_allocated=self._pool is not None,
+            draining=self.draining,
+        )
+
+    def _on_peer_completion(self, event: PeerCompletion) -> None:
+        # Counted by the aggregation, and still queued for ``take_peer_events`` (observers).
+        self.completions.on_peer_event(event)
+        if self.peer is not None:
+            self.peer.completions.append(event)
 
 
 def _consume_exception(fut: asyncio.Future[Any]) -> None:
@@ -789,6 +1076,10 @@ def main() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    import prometheus_client
+
+    # Process-wide, hence in the entry point and not in the library (see kvsidecar.cli).
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     Daemon(config).run()
 
 

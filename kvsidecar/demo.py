@@ -95,6 +95,9 @@ class _Worker:
             shape_order="HN" if self.order == "HND" else "NH",
             host_blocks=spec["host_blocks"],
         ).worker
+        if self.engine == "decode":
+            # Prefill workers write into decode's blocks: decode's owner must allow it.
+            self.client.grant("prefill", read=False, write=True)
 
     def logical(self, cache: torch.Tensor) -> torch.Tensor:
         """Return the (2, B, N, H, C) view of a cache in this worker's memory order."""
@@ -247,6 +250,8 @@ def _daemon(runtime_dir: str, pool_bytes: int) -> Iterator[str]:
 
     endpoint = f"ipc://{runtime_dir}/control.sock"
     env = dict(os.environ, KVSIDECAR_RUNTIME_DIR=runtime_dir, KVSIDECAR_ENDPOINT=endpoint)
+    # A throwaway daemon: any free metrics port, never a node daemon's configured one.
+    env["KVSIDECAR_METRICS_PORT"] = "0"
     proc = subprocess.Popen(
         [
             sys.executable,

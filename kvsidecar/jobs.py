@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsidecar import layout, mover
+from kvsidecar import integrity, layout, mover
 from kvsidecar.errors import SidecarError
 from kvsidecar.framing import IdArray
 from kvsidecar.protocol import BufferDescriptor, FixLayout, Move
@@ -39,6 +39,8 @@ class Job:
     fixed: bool
     workers: frozenset[Hashable]
     """Workers whose memory the job touches (their release waits for it)."""
+    verification: integrity.Verification | None = None
+    """Set when the move is checksummed end to end; filled by ``run``."""
 
 
 def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
@@ -105,8 +107,13 @@ def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
     return [v.view(v.shape[0] * ratio, v.shape[1] // ratio) for v in layer.block_views]
 
 
-def prepare_move(registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArray) -> Job:
-    """Check a move completely and return its job; raises `SidecarError` on any problem."""
+def prepare_move(
+    registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArray, *, checksum: bool = False
+) -> Job:
+    """Check a move completely and return its job; raises `SidecarError` on any problem.
+
+    ``checksum``: verify the raw copy with `kvsidecar.integrity` (before any layout fix).
+    """
     src = registry.buffer_set(cmd.src)
     dst = registry.buffer_set(cmd.dst)
     names = _select_layers(cmd.layers, src, dst)
@@ -137,9 +144,21 @@ def prepare_move(registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArr
     src_views = [v for n in names for v in src.layers[n].block_views]
     dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
     plan = mover.plan_runs(src_idx, sub_dst)
+    verification = integrity.Verification() if checksum else None
 
     def run() -> int:
-        copied = mover.copy_runs(src_views, dst_views, plan)
+        if verification is not None:
+            copied = integrity.verified_copy(
+                lambda: int(mover.copy_runs(src_views, dst_views, plan)),
+                src_views=src_views,
+                src_ids=src_idx,
+                dst_views=dst_views,
+                dst_ids=sub_dst,
+                ratio=ratio,
+                result=verification,
+            )
+        else:
+            copied = mover.copy_runs(src_views, dst_views, plan)
         if fixes:
             index = torch.from_numpy(dst_idx)
             for target, remote_order in fixes:
@@ -161,6 +180,7 @@ def prepare_move(registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArr
         blocks=int(dst_ids.size),
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
+        verification=verification,
     )
 
 

@@ -151,6 +151,13 @@ ErrorCode = Literal[
     # --- peer (node-to-node transfer) ---
     "incompatible_peer",
     "peer_unavailable",
+    # --- completion aggregation (kvsidecar/completions.py) ---
+    "stale_epoch",
+    "step_collected",
+    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
+    "forbidden",
+    "worker_lost",
+    "connection_lost",
 ]
 """The closed set of error codes a daemon replies with; docs/protocol.md explains each."""
 
@@ -183,6 +190,9 @@ class BufferSetRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     worker: WorkerRef
     medium: Medium = "device"
+    epoch: int = 0
+    """The worker's registration epoch as the sender knows it (`Registered.epoch`); another
+    current epoch fails the command with ``stale_epoch``. 0: not checked."""
 
 
 class ShmRef(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
@@ -278,12 +288,16 @@ class Unregister(_Request, tag="unregister", frozen=True):
     """Drop a worker: waits for its in-flight moves, frees its mirror, releases its mappings."""
 
     worker: WorkerRef
+    epoch: int = 0
+    """Registration epoch (`Registered.epoch`) this unregister is meant for; 0: any."""
 
 
 class Heartbeat(_Request, tag="heartbeat", frozen=True):
     """Renew the leases of these workers."""
 
     workers: list[WorkerRef] = []
+    epochs: list[int] = []
+    """Per worker, the registration epoch the sender holds (empty, or 0 for one: unchecked)."""
 
 
 class HostAlloc(_Request, tag="host_alloc", frozen=True):
@@ -319,6 +333,13 @@ class Move(_Request, tag="move", frozen=True):
     dst: BufferSetRef
     layers: list[str] | None = None
     ids_dtype: IdsDtype = "int64"
+    request_ids: list[str] = []
+    """Engine requests whose blocks this move carries (completion aggregation): once the move
+    ends, a ``device`` source worker has finished sending them and a ``device`` destination worker
+    has finished receiving them (failed, with the destination ids invalid, if the move failed)."""
+    checksum: bool | None = None
+    """Verify the copy end to end with a checksum (docs/reliability.md); None: the daemon's
+    ``checksum`` setting."""
 
 
 class FixLayout(_Request, tag="fix_layout", frozen=True):
@@ -337,6 +358,21 @@ class FixLayout(_Request, tag="fix_layout", frozen=True):
 
 class Status(_Request, tag="status", frozen=True):
     """Ask for the daemon's state."""
+
+
+class Grant(_Request, tag="grant", frozen=True):
+    """Let another engine read and/or write this engine's buffers and host blocks.
+
+    Sent by the client that registered ``owner`` (or by an administrative client, see
+    docs/reliability.md): from then on, connections of engine ``grantee`` may use ``owner``'s
+    engine as a move source (``read``) and/or destination (``write``). ``read`` and ``write``
+    both False revoke. Grants end with the owner engine (when its last worker is released).
+    """
+
+    owner: WorkerRef
+    grantee: str
+    read: bool = True
+    write: bool = False
 
 
 # --- peer (node-to-node transfer, kvsidecar/peer/): commands and replies ----------------------
@@ -402,6 +438,46 @@ class TakePeerEvents(_Request, tag="take_peer_events", frozen=True):
 # --- end peer commands ------------------------------------------------------------------------
 
 
+# --- completion aggregation (kvsidecar/completions.py): commands --------------------------------
+
+
+class Report(_Request, tag="report", frozen=True):
+    """One worker's completion report for one engine step (a `WorkerReport` on the wire).
+
+    ``epoch`` is the one `Registered` returned for ``worker``: a report from an earlier
+    registration (a dead process's last words) gets ``stale_epoch``. The same ``(worker, step)``
+    delivered twice counts once (the reply says ``duplicate``); a step the scheduler already
+    collected gets ``step_collected`` and its content belongs in the worker's next step.
+    """
+
+    worker: WorkerRef
+    epoch: int
+    step: int
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+    failed_recving: frozenset[str] = frozenset()
+    expected_finished_count: int = 0
+    kv_connector_stats: TransferStats | None = None
+    kv_cache_events: CacheEvents | None = None
+
+
+class Collect(_Request, tag="collect", frozen=True):
+    """The scheduler's call: the aggregated completions of ``engine_id`` up to ``step``.
+
+    Waits up to ``timeout_s`` until every live worker of the engine has reported ``step`` (0: do
+    not wait), then aggregates every uncollected report of steps <= ``step``. Steps are collected
+    in increasing order; collecting the last collected steps again returns the same answer.
+    """
+
+    engine_id: str
+    step: int
+    timeout_s: float = 1.0
+
+
+# --- end completion aggregation commands --------------------------------------------------------
+
+
 Request = (
     Hello
     | Register
@@ -415,6 +491,9 @@ Request = (
     | Pull
     | Publish
     | TakePeerEvents  # peer
+    | Report
+    | Collect  # completion aggregation
+    | Grant  # security
 )
 """Every request a client may send."""
 
@@ -439,6 +518,8 @@ class HelloReply(_Reply, tag="hello_reply", frozen=True):
     lease_s: float
     max_message_bytes: int
     max_ids_per_command: int
+    metrics_port: int = 0
+    """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
 
 
 class Registered(_Reply, tag="registered", frozen=True):
@@ -449,6 +530,8 @@ class Registered(_Reply, tag="registered", frozen=True):
     nbytes: int
     host_blocks: int
     lease_s: float
+    epoch: int = 0
+    """This registration's epoch: a worker's `Report` carries it (see `Report`)."""
 
 
 class Ok(_Reply, tag="ok", frozen=True):
@@ -469,6 +552,10 @@ class Moved(_Reply, tag="moved", frozen=True):
     nbytes: int
     seconds: float
     fixed: bool = False
+    verified: bool = False
+    """True when the copy was checked end to end with a checksum."""
+    invalid_block_ids: list[int] = []
+    """Destination blocks whose checksum did not match (their contents are unusable)."""
 
 
 class Fixed(_Reply, tag="fixed", frozen=True):
@@ -526,6 +613,8 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     bytes_moved_total: int
     errors_total: int
     draining: bool = False
+    metrics_port: int = 0
+    """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
 
 
 class Error(_Reply, tag="error", frozen=True):
@@ -581,6 +670,32 @@ class PeerEvents(_Reply, tag="peer_events", frozen=True):
 # --- end peer replies -------------------------------------------------------------------------
 
 
+# --- completion aggregation (kvsidecar/completions.py): replies ---------------------------------
+
+
+class Reported(_Reply, tag="reported", frozen=True):
+    """A `Report` was accepted; ``duplicate`` when this ``(worker, step)`` had been counted."""
+
+    duplicate: bool = False
+
+
+class Collected(_Reply, tag="collected", frozen=True):
+    """The answer to `Collect`: the aggregated output, and who was missing or failed.
+
+    ``missing`` names the live workers whose report for the step had not arrived when the wait
+    ended (their late report gets ``step_collected``); ``failed_workers`` those that departed
+    (lease expiry, process exit, unregister) since the previous collect, whose pending requests
+    were completed on their behalf (receiving ones as failed).
+    """
+
+    output: AggregatedOutput
+    missing: list[str] = []
+    failed_workers: list[str] = []
+
+
+# --- end completion aggregation replies ---------------------------------------------------------
+
+
 Reply = (
     HelloReply
     | Registered
@@ -592,6 +707,8 @@ Reply = (
     | Error
     | Pulled
     | PeerEvents  # peer
+    | Reported
+    | Collected  # completion aggregation
 )
 """Every reply the daemon sends."""
 

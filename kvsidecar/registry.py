@@ -112,6 +112,8 @@ class Worker:
     lease_deadline: float
     fd_connection: Hashable | None = None
     """The fd-channel connection its fds came on; its closing means the worker died."""
+    epoch: int = 0
+    """Registration epoch (`Registered.epoch`): fences commands meant for an earlier one."""
 
     def buffer_set(self, medium: Medium) -> BufferSet:
         """Return the registered layers or the host mirror (``pool_exhausted`` if it has none)."""
@@ -151,6 +153,16 @@ class Engine:
         return self.host_blocks - self.allocator.num_free
 
 
+def check_epoch(worker: Worker, epoch: int) -> None:
+    """Raise ``stale_epoch`` when ``epoch`` (0: unchecked) is not the worker's current one."""
+    if epoch and epoch != worker.epoch:
+        raise SidecarError(
+            "stale_epoch",
+            f"{worker.ref.label()} is registration epoch {worker.epoch}, the command names "
+            f"{epoch} (an earlier registration of it)",
+        )
+
+
 class Registry:
     """Engines and workers by name, with the lookups commands need (typed errors on a miss)."""
 
@@ -174,8 +186,10 @@ class Registry:
         return worker
 
     def buffer_set(self, ref: BufferSetRef) -> BufferSet:
-        """Resolve one side of a move."""
-        return self.worker(ref.worker).buffer_set(ref.medium)
+        """Resolve one side of a move (``stale_epoch`` if it names an earlier registration)."""
+        worker = self.worker(ref.worker)
+        check_epoch(worker, ref.epoch)
+        return worker.buffer_set(ref.medium)
 
     def add(self, engine: Engine, worker: Worker) -> None:
         """Record a worker (and its engine, if new)."""

@@ -35,3 +35,14 @@ def daemon_config():  # type: ignore[no-untyped-def]
     config = make_config()
     yield config
     shutil.rmtree(config.runtime_dir, ignore_errors=True)
+
+
+# --- slow tests (soak, long fuzz) run only when selected with -m slow --------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``slow``-marked tests unless the marker expression names ``slow``."""
+    if "slow" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

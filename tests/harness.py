@@ -36,6 +36,8 @@ def make_config(**overrides: Any) -> Config:
         "lease_s": 2.0,
         "drain_timeout_s": 3.0,
         "fd_wait_s": 2.0,
+        # Ephemeral: daemons of concurrent test runs must not fight over the default 9464.
+        "metrics_port": 0,
     }
     values.update(overrides)
     return Config(**values)

@@ -66,6 +66,8 @@ async def env() -> AsyncIterator[Env]:
                 await c.register_kv_caches(
                     {"l0": tensors[0], "l1": tensors[1]}, engine_id=engine, host_blocks=8
                 )
+            for c in clients[1:]:  # cross-engine moves from "a" reach the checks they test
+                await c.grant("a", read=True, write=True)
             snapshot = {k: [t.clone() for t in v] for k, v in caches.items()}
             yield Env(config, clients[0], caches, snapshot)
         finally:

@@ -34,7 +34,7 @@ def test_precedence(tmp_path: Path) -> None:
 
 def test_flat_toml_and_int_syntax(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
-    f.write_text('host-pool-bytes = 4096\nendpoint = "tcp://127.0.0.1:5555"\n')
+    f.write_text('host-pool-bytes = 4096\nendpoint = "tcp://127.0.0.1:5555"\ninsecure = true\n')
     c = Config.load(f, env={"KVSIDECAR_MAX_IDS_PER_COMMAND": "0x100"})
     assert c.host_pool_bytes == 4096 and c.endpoint.startswith("tcp://") and c.ipc_path is None
     assert c.max_ids_per_command == 256

@@ -587,8 +587,9 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
 # Configuration shipped in deploy/ against the daemon's settings
 # --------------------------------------------------------------------------------------------------
 
-PENDING_ENV_VARS = frozenset({"KVSIDECAR_METRICS_HOST", "KVSIDECAR_METRICS_PORT"})
-"""Variables the deployment files use for settings not yet in kvsidecar.config.SETTINGS."""
+PENDING_ENV_VARS: frozenset[str] = frozenset()
+"""Variables the deployment files use for settings not yet in kvsidecar.config.SETTINGS (none:
+KVSIDECAR_METRICS_HOST/PORT are settings since the metrics endpoint is wired into the daemon)."""
 
 CLI_ENV_VARS = frozenset({"KVSIDECAR_CONFIG", "KVSIDECAR_LOG_FORMAT"})
 """Variables the CLI reads itself (kvsidecar/cli.py), outside the settings table."""

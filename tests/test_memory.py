@@ -66,6 +66,22 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def open_fds() -> set[str]:
+    """This process's open fds (by target), after collecting garbage that may still hold some.
+
+    Compared as sets: an fd that an earlier test's garbage closes meanwhile is not a leak, and a
+    new fd left open is one, whatever else changed.
+    """
+    gc.collect()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:  # the listing's own directory fd
+            continue
+    return fds
+
+
 def dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
@@ -145,7 +161,7 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
     closed: asyncio.Queue[tuple[FdConnection, float]] = asyncio.Queue()
     server = FdChannelServer(sock_path, on_close=lambda c: closed.put_nowait((c, time.monotonic())))
     await server.start()
-    fds_before = fd_count()
+    fds_before = open_fds()
     buffers: list[MappedBuffer] = []
     try:
         with running("shm_worker.py", str(sock_path)) as worker:
@@ -204,7 +220,7 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
         assert e.value.code == "closed"
         gc.collect()
         assert not set(inodes) & set(mapped_inodes()), "a mapping outlived close()"
-        assert fd_count() == fds_before
+        assert not open_fds() - fds_before, f"fds leaked: {open_fds() - fds_before}"
         assert not dev_shm() - shm_before
         assert server.connections == []
     finally:
@@ -217,7 +233,7 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
 
 def test_daemon_sigkill_leaves_worker_memory_and_nothing_else(sock_path: Path) -> None:
     shm_before = dev_shm()
-    fds_before = fd_count()
+    fds_before = open_fds()
     layers = allocate_kv_caches(4, (16, 8), torch.float16)
     plain = torch.zeros(256, dtype=torch.int32).share_memory_()
     handles, fds = export_tensors([*layers, plain])
@@ -249,7 +265,7 @@ def test_daemon_sigkill_leaves_worker_memory_and_nothing_else(sock_path: Path) -
     del layers, plain
     gc.collect()
     assert not set(inodes) & set(mapped_inodes())
-    assert fd_count() == fds_before
+    assert not open_fds() - fds_before, f"fds leaked: {open_fds() - fds_before}"
     assert not dev_shm() - shm_before
 
 

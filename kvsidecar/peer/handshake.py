@@ -50,7 +50,8 @@ def compat_of(engine: Engine) -> CompatInfo:
         model_hash=engine.model_hash,
         cache_dtype=desc.dtype,
         head_size=desc.head_size,
-        total_kv_heads=desc.num_heads * engine.tp_size,
+        # MLA's latent is replicated on every rank: one "head" whatever the TP size.
+        total_kv_heads=1 if desc.arrangement == "mla" else desc.num_heads * engine.tp_size,
         num_layers=len(layers),
         is_mla=desc.arrangement == "mla",
     )

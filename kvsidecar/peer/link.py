@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvsidecar.auth import KeyPair, secure_client_socket  # security
 from kvsidecar.peer.messages import PeerError, PeerReply, PeerRequest, ReadData
 
 log = logging.getLogger("kvsidecar.peer")
@@ -57,7 +58,14 @@ class _Pending:
 class PeerLink:
     """Connection to one remote peer endpoint; create with `PeerLink.open`."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        max_in_flight: int,
+        *,
+        curve: tuple[bytes, KeyPair] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.slots = asyncio.Semaphore(max_in_flight)
         """Read chunks in flight on this link (shared by every pull to this peer)."""
@@ -69,6 +77,8 @@ class PeerLink:
         # Fail fast on a dead peer rather than reconnecting into a half-read reply stream.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        if curve is not None:  # security: CURVE client of the remote daemon
+            secure_client_socket(self._sock, server_public=curve[0], keys=curve[1])
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self._sock.connect(endpoint)
         self._encoder = msgspec.msgpack.Encoder()
@@ -82,7 +92,7 @@ class PeerLink:
         ]
 
     def next_id(self) -> int:
-        """A fresh request id for this link."""
+        """Return a fresh request id for this link."""
         return next(self._ids)
 
     async def request(
@@ -152,7 +162,7 @@ class PeerLink:
         for i, dest in enumerate(dests):
             if not sock.get(zmq.RCVMORE):
                 raise PeerGone(f"{self.endpoint} sent {i} data frames, {len(dests)} expected")
-            got = zmq.Socket.recv_into(sock, dest, flags=zmq.NOBLOCK)
+            got = zmq.Socket.recv_into(sock, dest.data, flags=zmq.NOBLOCK)
             if got != dest.nbytes:
                 raise PeerGone(f"{self.endpoint} sent a frame of {got} bytes for {dest.nbytes}")
         if sock.get(zmq.RCVMORE):

@@ -14,6 +14,7 @@ producer's daemon is not involved per read; the notification goes over the peer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Hashable, Iterable
 from typing import Any
@@ -32,7 +33,7 @@ def nixl_available() -> bool:
     """Whether the ``nixl`` package can be imported here."""
     try:
         from nixl._api import nixl_agent  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
+    except Exception:
         return False
     return True
 
@@ -47,6 +48,12 @@ class NixlPlane(DataPlane):
 
         self.agent_name = agent_name
         self._agent: Any = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # NIXL installs its own stdout handler at INFO on import; route its records through ours
+        # so --log-level and --log-format json apply to them too.
+        nixl_log = logging.getLogger("nixl")
+        nixl_log.handlers.clear()
+        nixl_log.propagate = True
+        nixl_log.setLevel(logging.NOTSET)
         self._regs: dict[Hashable, tuple[torch.Tensor, Any]] = {}
         self._remotes: dict[str, bytes] = {}
         self._stuck: list[Any] = []
@@ -60,18 +67,18 @@ class NixlPlane(DataPlane):
             _, reg = self._regs.pop(key)
             try:
                 self._agent.deregister_memory(reg)
-            except Exception:  # noqa: BLE001 - a failed deregistration only leaks a record
+            except Exception:
                 log.warning("NIXL deregistration of %r failed", key, exc_info=True)
         for key, flat in wanted.items():
             if key not in self._regs:
                 self._regs[key] = (flat, self._agent.register_memory(flat))
 
     def addr(self, key: Hashable) -> int:
-        """Base address of a registered buffer."""
+        """Return the base address of a registered buffer."""
         return int(self._regs[key][0].data_ptr())
 
     def metadata(self) -> bytes:
-        """This agent's metadata (connection info and registered memory) for the handshake."""
+        """Return the agent metadata (connection info, registered memory) for the handshake."""
         return bytes(self._agent.get_agent_metadata())
 
     def load_remote(self, name: str, metadata: bytes) -> None:
@@ -126,16 +133,14 @@ class NixlPlane(DataPlane):
     def _release(self, handle: Any, done: bool) -> None:
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - still in flight: retried at close
+        except Exception:
             if not done:
                 self._stuck.append(handle)
 
     def close(self) -> None:
         """Release stuck transfers and registrations; the agent goes with the object."""
         for handle in self._stuck:
-            try:
+            with contextlib.suppress(Exception):  # best effort at shutdown
                 self._agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001, S110 - best effort at shutdown
-                pass
         self._stuck.clear()
         self.sync(())

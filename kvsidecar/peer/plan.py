@@ -262,7 +262,8 @@ def plan_rank(
     n_remote, n_local = remote_ids.size, local_ids.size
     if not (bs * (n_local - 1) < n_remote <= bs * n_local) and (n_remote or n_local):
         raise PlanError(
-            f"{n_remote} remote blocks do not fill {n_local} local blocks of {bs} remote blocks each"
+            f"{n_remote} remote blocks do not fill {n_local} local blocks "
+            f"of {bs} remote blocks each"
         )
     by_pp: dict[int, dict[int, PeerWorker]] = {}
     for rw in remote.workers:
@@ -279,9 +280,10 @@ def plan_rank(
     sub = np.arange(n_remote, dtype=np.int64)
     local_rows = local_ids.astype(np.int64)[sub // bs] * bs + sub % bs
     for li, name in enumerate(worker.layers):
-        pp = layer_home.get(name)
-        if pp is None:
+        home = layer_home.get(name)
+        if home is None:
             raise PlanError(f"remote engine {remote.engine_id!r} has no layer {name!r}")
+        pp = home
         ldesc = worker.descriptors[li]
         sources, targets, expected = _sources(
             local, worker, remote, ldesc, by_pp[pp][min(by_pp[pp])].descriptors[0]
@@ -293,11 +295,12 @@ def plan_rank(
             raise PlanError(f"local block ids out of range 0..{lgeo.num_blocks - 1}")
         rdesc_used: BufferDescriptor | None = None
         for q, roff, length, loff in sources:
-            rw = by_pp[pp].get(q)
-            if rw is None:
+            found = by_pp[pp].get(q)
+            if found is None:
                 raise PlanError(
                     f"remote engine {remote.engine_id!r} has no rank tp{q}.pp{pp} registered"
                 )
+            rw = found
             ri = rw.layers.index(name)
             rdesc = rw.descriptors[ri]
             rdesc_used = rdesc

@@ -39,6 +39,14 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import layout
+from kvsidecar.auth import (  # security
+    PEER_DOMAIN,
+    Transport,
+    ZapHandler,
+    peer_link_curve,
+    peer_transport,
+    secure_server_socket,
+)
 from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
 from kvsidecar.executor import CopyExecutor
@@ -113,12 +121,16 @@ class PeerService:
         """Hook for the completion aggregation: receives every event instead of the queue."""
         self.planes: dict[str, DataPlane] = {"zmq": ZmqPlane(config.peer_chunk_bytes)}
         self.nixl: NixlPlane | None = None
+        self._nixl_error: str | None = None
+        self._nixl_lock = asyncio.Lock()
         self.leases_expired_total = 0
         self.pulls_total = 0
         self.pulls_failed_total = 0
         self.bytes_pulled_total = 0
         self.bytes_served_total = 0
         self._ctx: zmq.asyncio.Context | None = None
+        self._zap: ZapHandler | None = None  # security: authenticates peers on the endpoint
+        self._transport: Transport | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._links: dict[str, PeerLink] = {}
         self._held: dict[tuple[str, str], _Held] = {}
@@ -129,10 +141,12 @@ class PeerService:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
-        """Create the NIXL agent (if configured), bind the peer endpoint, start the lease sweep."""
-        cfg = self.config
-        if cfg.peer_data_plane in ("auto", "nixl"):
+    async def _ensure_nixl(self) -> None:
+        """Create the NIXL agent once, off the loop; remember a failure instead of retrying."""
+        # Under the lock, so that concurrent first pulls create one agent between them.
+        async with self._nixl_lock:
+            if self.nixl is not None or self._nixl_error is not None:
+                return
             try:
                 # Creating an agent takes most of a second: keep the loop free meanwhile.
                 self.nixl = await asyncio.get_running_loop().run_in_executor(
@@ -140,12 +154,31 @@ class PeerService:
                 )
                 self.planes["nixl"] = self.nixl
             except Exception as exc:
-                if cfg.peer_data_plane == "nixl":
-                    raise SystemExit(f"kvsidecar: peer_data_plane=nixl but NIXL fails: {exc}")
+                self._nixl_error = str(exc) or type(exc).__name__
                 log.info("NIXL not available (%s): peers use the ZMQ plane", exc)
+
+    async def start(self) -> None:
+        """Create the NIXL agent (if configured), bind the peer endpoint, start the lease sweep."""
+        cfg = self.config
+        # NIXL's UCX progress thread busy-polls a core for the agent's whole life. A producer
+        # (peer endpoint set) needs it from the start to serve reads; in "auto" mode a daemon
+        # without a peer endpoint creates its agent at its first pull instead (`_ensure_nixl`),
+        # so a daemon that never pulls never spends a core on it.
+        if cfg.peer_data_plane == "nixl" or (cfg.peer_data_plane == "auto" and cfg.peer_endpoint):
+            await self._ensure_nixl()
+            if self.nixl is None and cfg.peer_data_plane == "nixl":
+                raise SystemExit(
+                    f"kvsidecar: peer_data_plane=nixl but NIXL fails: {self._nixl_error}"
+                )
         self._ctx = zmq.asyncio.Context()
+        # security: CURVE (or knowingly plain) on the peer endpoint and on links to other peers
+        self._transport = peer_transport(cfg)
         if cfg.peer_endpoint:
+            self._zap = ZapHandler(self._ctx)
+            self._zap.policies[PEER_DOMAIN] = self._transport.policy
+            self._zap.start()
             sock = self._ctx.socket(zmq.ROUTER)
+            secure_server_socket(sock, domain=PEER_DOMAIN, keys=self._transport.keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -171,6 +204,9 @@ class PeerService:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._zap is not None:  # security
+            await self._zap.close()
+            self._zap = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -414,7 +450,12 @@ class PeerService:
         link = self._links.get(endpoint)
         if link is None or link.closed:
             assert self._ctx is not None
-            link = PeerLink(self._ctx, endpoint, self.config.peer_max_in_flight)
+            link = PeerLink(
+                self._ctx,
+                endpoint,
+                self.config.peer_max_in_flight,
+                curve=peer_link_curve(self._transport) if self._transport else None,  # security
+            )
             self._links[endpoint] = link
         return link
 
@@ -465,6 +506,8 @@ class PeerService:
         every = [it.request_id for it, _, _ in items]
         link = self._link(req.remote_endpoint)
         pref = req.plane or self.config.peer_data_plane
+        if pref in ("auto", "nixl") and self.config.peer_data_plane != "zmq":
+            await self._ensure_nixl()
         wants_nixl = self.nixl is not None and pref in ("auto", "nixl")
         try:
             welcome = await link.request(
@@ -521,7 +564,7 @@ class PeerService:
             try:
                 self.nixl.load_remote(welcome.nixl_agent, welcome.nixl_metadata)
                 self.nixl.sync(self._registered_buffers())
-            except Exception as exc:  # noqa: BLE001 - a NIXL failure fails the pull, typed
+            except Exception as exc:
                 return fail("peer_unavailable", f"NIXL setup failed: {exc}", every, all_local)
         remote_workers = {(w.tp_rank, w.pp_rank): w for w in remote.workers}
 

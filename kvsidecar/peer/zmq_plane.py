@@ -14,11 +14,13 @@ unregisters meanwhile.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import weakref
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from kvsidecar.peer.link import Dest, PeerGone
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.plan import ReadPlan
@@ -33,7 +35,7 @@ _np_views: weakref.WeakKeyDictionary[LayerBuffer, npt.NDArray[np.uint8]] = (
 
 
 def as_bytes(layer: LayerBuffer) -> npt.NDArray[np.uint8]:
-    """A numpy view of a layer's whole buffer (cached: slicing numpy is cheaper than torch)."""
+    """Return a numpy view of a layer's buffer (cached: slicing numpy is cheaper than torch)."""
     view = _np_views.get(layer)
     if view is None:
         flat = layer.mapped.flat
@@ -60,7 +62,7 @@ class ZmqPlane(DataPlane):
             base = int(ends[bounds[-1] - 1]) if bounds[-1] else 0
             nxt = int(np.searchsorted(ends, base + target, side="left")) + 1
             bounds.append(min(max(nxt, bounds[-1] + 1), len(ends)))
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        return list(itertools.pairwise(bounds))
 
     async def read(self, target: ReadTarget, plan: ReadPlan, deadline: float) -> int:
         """Read ``plan`` chunk by chunk, several chunks in flight (see the module doc)."""

@@ -1,0 +1,144 @@
+"""Which engines a connection may touch: bindings of connections to engines, and sharing grants.
+
+The principal of a request is its ZeroMQ connection (the ROUTER routing id). A connection that
+registered a worker is **bound** to that worker's engine and may read and write that engine's
+buffers and host blocks, and those of engines that granted it access (`Grant`). A connection
+that registered nothing is **administrative** when the transport vouched for it as the daemon's
+own operator: an ipc peer with the daemon's uid (a same-uid process can read the daemon's memory
+anyway, so refusing it would protect nothing), or a tcp peer authenticated by CURVE (its key is on
+the operator's allow-list) or accepted in insecure mode. Any other unbound connection (an ipc
+peer with another allowed uid that has not registered) may only say hello, ask for status,
+heartbeat and register.
+
+Checks happen before a command does anything; a refusal is ``forbidden`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvsidecar.errors import SidecarError
+from kvsidecar.protocol import WorkerRef
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: the engines its connection is bound to, and whether it is an admin."""
+
+    engines: frozenset[str]
+    admin: bool
+    user: str
+    """The transport's word for the peer (``uid:<n>``, ``curve:<key>``, ``insecure``)."""
+
+
+@dataclass
+class _Grant:
+    read: set[str] = field(default_factory=set)
+    write: set[str] = field(default_factory=set)
+
+
+class AccessControl:
+    """Connection bindings and grants, and the checks commands go through."""
+
+    def __init__(
+        self,
+        admin_uids: Iterable[int] | None = None,
+        *,
+        exists: Callable[[str], bool] = lambda _: True,
+    ) -> None:
+        # ``exists``: whether an engine is registered. Checks on an unknown engine pass, so the
+        # command fails with its own precise error (unknown_engine) and nothing is touched.
+        self._exists = exists
+        self._admin_users = {f"uid:{u}" for u in (admin_uids or (os.geteuid(),))}
+        self._bound: dict[bytes, set[WorkerRef]] = {}
+        self._by_worker: dict[WorkerRef, bytes] = {}
+        self._grants: dict[str, _Grant] = {}
+        self._engine_user: dict[str, str] = {}
+        """The transport user that registered an engine's first worker."""
+
+    # -- bindings
+
+    def bind(self, ident: bytes, ref: WorkerRef, user: str) -> None:
+        """Record that the connection ``ident`` (transport user ``user``) registered ``ref``."""
+        self._bound.setdefault(ident, set()).add(ref)
+        self._by_worker[ref] = ident
+        self._engine_user.setdefault(ref.engine_id, user)
+
+    def unbind(self, ref: WorkerRef) -> None:
+        """Forget a released worker's binding."""
+        ident = self._by_worker.pop(ref, None)
+        if ident is None:
+            return
+        refs = self._bound.get(ident)
+        if refs is not None:
+            refs.discard(ref)
+            if not refs:
+                del self._bound[ident]
+
+    def principal(self, ident: bytes, user: str) -> Principal:
+        """Return who sent a request on connection ``ident`` (transport user ``user``)."""
+        refs = self._bound.get(ident)
+        engines = frozenset(r.engine_id for r in refs) if refs else frozenset()
+        admin = not engines and (
+            user in self._admin_users or user.startswith("curve:") or user == "insecure"
+        )
+        return Principal(engines, admin, user)
+
+    # -- grants
+
+    def grant(self, owner: str, grantee: str, *, read: bool, write: bool) -> None:
+        """Set what ``grantee`` may do with ``owner``'s buffers (both False: revoke)."""
+        g = self._grants.setdefault(owner, _Grant())
+        for allowed, names in ((read, g.read), (write, g.write)):
+            if allowed:
+                names.add(grantee)
+            else:
+                names.discard(grantee)
+        if not g.read and not g.write:
+            del self._grants[owner]
+
+    def drop_engine(self, engine_id: str) -> None:
+        """Forget an engine's grants and owner (it is gone; a new one of that name starts clean)."""
+        self._grants.pop(engine_id, None)
+        self._engine_user.pop(engine_id, None)
+
+    # -- checks
+
+    def may(self, who: Principal, engine_id: str, *, write: bool) -> bool:
+        """Whether ``who`` may read (or write) ``engine_id``'s buffers and host blocks."""
+        if who.admin or engine_id in who.engines or not self._exists(engine_id):
+            return True
+        g = self._grants.get(engine_id)
+        if g is None:
+            return False
+        names = g.write if write else g.read
+        return not who.engines.isdisjoint(names)
+
+    def check(self, who: Principal, engine_id: str, *, write: bool, what: str) -> None:
+        """Raise ``forbidden`` unless `may`."""
+        if not self.may(who, engine_id, write=write):
+            verb = "write" if write else "read"
+            mine = ", ".join(sorted(who.engines)) or f"an unregistered client ({who.user})"
+            raise SidecarError(
+                "forbidden",
+                f"{what}: {mine} may not {verb} engine {engine_id!r} (no grant from its owner)",
+            )
+
+    def check_register(self, who: Principal, engine_id: str) -> None:
+        """Raise ``forbidden`` if ``who`` would join another user's engine by registering.
+
+        Joining an engine gives access to all its buffers, so it is the owner's user's alone.
+        """
+        owner = self._engine_user.get(engine_id)
+        if owner is None or who.admin or owner == who.user:
+            return
+        raise SidecarError(
+            "forbidden", f"engine {engine_id!r} belongs to {owner}; {who.user} may not join it"
+        )
+
+    def check_owner(self, who: Principal, engine_id: str, what: str) -> None:
+        """Raise ``forbidden`` unless ``who`` is bound to ``engine_id`` (or an admin)."""
+        if not (who.admin or engine_id in who.engines or not self._exists(engine_id)):
+            raise SidecarError("forbidden", f"{what}: only engine {engine_id!r} itself may do it")

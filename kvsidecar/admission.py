@@ -1,0 +1,72 @@
+"""Admission of copy jobs: a bounded number queued or running, per worker and in total.
+
+Without a bound, a client that sends moves faster than the copy threads run them grows the
+daemon's memory (each queued move holds its id arrays and a task) until something breaks. With
+one, the excess is refused at once with the typed ``busy`` error and nothing is queued: the
+client backs off and retries, and everyone else keeps being served.
+
+A job counts against every worker whose memory it touches (a move from A to B takes one slot of
+A and one of B), so one hot destination cannot take the whole daemon's capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvsidecar.errors import SidecarError
+from kvsidecar.protocol import WorkerRef
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted job's slots; give it back with `Admission.release` exactly once."""
+
+    workers: tuple[WorkerRef, ...]
+
+
+class Admission:
+    """Counts of admitted jobs per worker and in total, with their limits."""
+
+    def __init__(self, max_per_worker: int, max_total: int) -> None:
+        self.max_per_worker = max_per_worker
+        self.max_total = max_total
+        self.total = 0
+        self.refused = 0
+        """Jobs refused with ``busy`` since start."""
+        self._per_worker: dict[WorkerRef, int] = {}
+
+    def admit(self, workers: Iterable[WorkerRef]) -> Ticket:
+        """Take a slot for each of ``workers`` and one in total, or raise ``busy`` (none taken)."""
+        refs = tuple(dict.fromkeys(workers))
+        if self.total >= self.max_total:
+            self.refused += 1
+            raise SidecarError(
+                "busy", f"{self.total} moves in flight on the daemon (limit {self.max_total})"
+            )
+        for ref in refs:
+            if self._per_worker.get(ref, 0) >= self.max_per_worker:
+                self.refused += 1
+                raise SidecarError(
+                    "busy",
+                    f"{self.max_per_worker} moves in flight on {ref.label()} (the per-worker "
+                    "limit); retry after some complete",
+                )
+        self.total += 1
+        for ref in refs:
+            self._per_worker[ref] = self._per_worker.get(ref, 0) + 1
+        return Ticket(refs)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give the slots of a finished (or failed) job back."""
+        self.total -= 1
+        for ref in ticket.workers:
+            left = self._per_worker.get(ref, 0) - 1
+            if left > 0:
+                self._per_worker[ref] = left
+            else:
+                self._per_worker.pop(ref, None)
+
+    def in_flight(self, ref: WorkerRef) -> int:
+        """Admitted jobs touching ``ref``."""
+        return self._per_worker.get(ref, 0)

@@ -1,0 +1,144 @@
+"""``bench latency``: command round trips through a daemon against a raw ZeroMQ echo.
+
+From an `AsyncSidecarClient` on uvloop: a ``Status`` command, a 1-block move of one layer and of
+all layers (engine A -> engine B), and a raw zmq.asyncio DEALER -> ROUTER echo of the very frames
+a move request carries, served by a separate process on uvloop over the same ipc transport. They
+take turns in batches of ``batch`` round trips for ``rounds`` rounds, so they share the load.
+
+Each percentile figure is the median over rounds of that round's percentile (its min-max is the
+spread between rounds), compared with the echo's figure from the same rounds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from kvsidecar.bench import procs
+from kvsidecar.bench.common import Figure, Options, Progress, note, percentile
+from kvsidecar.bench.local import engines
+from kvsidecar.client import AsyncSidecarClient, BufferSetRef
+
+ECHO = "raw zmq.asyncio echo"
+PERCENTILES = (50.0, 90.0, 99.0)
+
+Sampler = Callable[[], Awaitable[object]]
+
+
+def run(opts: Options) -> list[Figure]:
+    """Start a daemon and an echo server, time the round trips, return the figures."""
+    note(
+        f"latency: 1-block moves of 1 and {opts.layers} layers, {opts.rounds} rounds x "
+        f"{opts.batch} round trips per method"
+    )
+    runtime = tempfile.mkdtemp(prefix="kvsb-echo-", dir="/tmp")
+    echo_ep = f"ipc://{runtime}/echo.sock"
+    try:
+        with (
+            procs.echo_server(echo_ep),
+            procs.daemon(peer_data_plane=opts.peer_data_plane) as (endpoint, _),
+            engines(endpoint, opts, num_blocks=64) as eng,
+        ):
+            src, dst = eng.a_dev, eng.b_dev
+            samples = procs.run_async(_measure(opts, endpoint, echo_ep, src, dst))
+    finally:
+        Path(runtime, "echo.sock").unlink(missing_ok=True)
+        Path(runtime).rmdir()
+    return figures_from(samples, group="latency")
+
+
+def figures_from(
+    samples: dict[str, list[list[float]]], group: str, chart: str = "latency"
+) -> list[Figure]:
+    """One figure per (method, percentile) against the echo's same percentile."""
+    echo = samples[ECHO]
+    figures: list[Figure] = []
+    for name, rounds in samples.items():
+        if name == ECHO:
+            continue
+        for q in PERCENTILES:
+            figures.append(
+                Figure(
+                    name=f"{group}/{name} p{q:g}",
+                    unit="µs",
+                    samples=[percentile(r, q) for r in rounds],
+                    baseline=f"{ECHO} p{q:g}",
+                    baseline_samples=[percentile(r, q) for r in echo],
+                    higher_is_better=False,
+                    group=group,
+                    chart=chart,
+                    series=name,
+                    x=q,
+                )
+            )
+    return figures
+
+
+async def timed_rounds(
+    methods: dict[str, Sampler], rounds: int, batch: int, progress: Progress | None = None
+) -> dict[str, list[list[float]]]:
+    """Round trips in µs, per method and round; methods take turns in batches."""
+    for fn in methods.values():  # warm-up: connections, first touches of mappings
+        for _ in range(min(batch, 20)):
+            await fn()
+    out: dict[str, list[list[float]]] = {k: [] for k in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times = []
+            for _ in range(batch):
+                start = time.perf_counter()
+                await fn()
+                times.append((time.perf_counter() - start) * 1e6)
+            out[name].append(times)
+        if progress is not None:
+            progress.step()
+    return out
+
+
+async def _measure(
+    opts: Options, endpoint: str, echo_ep: str, src: BufferSetRef, dst: BufferSetRef
+) -> dict[str, list[list[float]]]:
+    client = AsyncSidecarClient(endpoint, timeout_s=10, name="bench-lat", heartbeat=False)
+    ctx = zmq.asyncio.Context()
+    echo = ctx.socket(zmq.DEALER)
+    echo.setsockopt(zmq.LINGER, 0)
+    echo.connect(echo_ep)
+    progress = Progress(opts.rounds, "latency", enabled=opts.progress)
+    try:
+        await client.start()
+        one = np.array([3], dtype="<i4")
+        # The echo carries the very bytes a move request carries (private helpers, on purpose).
+        req, data = client._move(src, dst, one, one, ["layer0"])
+        frames = [client._codec.encoder.encode(req), *(bytes(d) for d in data)]
+
+        async def raw_echo() -> None:
+            await echo.send_multipart(frames, copy=False)
+            await echo.recv_multipart(copy=False)
+
+        async def status() -> None:
+            await client.status()
+
+        async def move_one() -> None:
+            await client.move(src, dst, one, one, layers=["layer0"])
+
+        async def move_all() -> None:
+            await client.move(src, dst, one, one)
+
+        methods: dict[str, Sampler] = {
+            ECHO: raw_echo,
+            "status": status,
+            "1-block move, 1 layer": move_one,
+            f"1-block move, {opts.layers} layers": move_all,
+        }
+        return await timed_rounds(methods, opts.rounds, opts.batch, progress)
+    finally:
+        progress.close()
+        await client.close()
+        echo.close(linger=0)
+        ctx.term()
