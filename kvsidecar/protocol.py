@@ -8,7 +8,7 @@ ids, block bytes) never travels inside these structs: it rides in raw frames nex
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -198,37 +198,59 @@ class BufferSetRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ShmRef(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
     """A CPU tensor in shared memory whose storage fd was sent on the fd channel.
 
-    ``fd_index`` picks one fd of the message sent under the registration's ``fd_token``; layers
-    that view one storage share an index and are mapped once. The tensor covers ``nbytes`` bytes
-    from ``offset`` in a storage of ``storage_nbytes`` bytes (``memory.shm.ShmHandle``'s fields).
+    Several refs may name the same ``fd_index``: tensors that are views of one storage (many
+    layers in one region) share one fd, sent once and mapped once by the daemon. This is also the
+    handle `kvsidecar.memory.shm` works with (``ShmHandle`` there).
     """
 
     fd_index: int
+    """Index of the storage's fd among the fds sent under the registration's ``fd_token``."""
     storage_nbytes: int
+    """Size of the whole storage (the mapping the daemon makes)."""
     offset: int
+    """Byte offset of the tensor's first element within the storage."""
     nbytes: int
+    """Bytes from the tensor's first to one past its last reachable byte (strides included)."""
+
+    kind: ClassVar[Literal["shm"]] = "shm"
+    """The handle's kind (also its tag on the wire)."""
 
 
 class CudaIpcRef(
     msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind", forbid_unknown_fields=True
 ):
-    """A CUDA tensor exported by CUDA IPC (``memory.cuda_ipc.CudaIpcHandle``'s fields).
+    """A CUDA tensor exported by CUDA IPC, the way torch shares CUDA storages.
 
-    ``ipc_handle``/``storage_*`` locate torch's shared storage, ``ref_counter_*`` its shared
-    reference count, ``event_*`` the event to wait on; the tensor covers ``nbytes`` bytes from
-    ``offset`` within the storage.
+    Also the handle `kvsidecar.memory.cuda_ipc` works with (``CudaIpcHandle`` there).
     """
 
     device: int
+    """CUDA device index in the worker (the daemon must see the same devices)."""
     ipc_handle: bytes
+    """``cudaIpcMemHandle_t`` of the allocation the storage lives in."""
     storage_nbytes: int
+    """Size of the storage."""
     storage_offset: int
+    """Byte offset of the storage within the CUDA allocation."""
     ref_counter_handle: bytes
+    """Name of torch's shared reference-counter file."""
     ref_counter_offset: int
+    """Slot of this export in the reference-counter file."""
     event_handle: bytes | None
+    """IPC handle of the event to wait on before reading (None when none is needed)."""
     event_sync_required: bool
+    """Whether the consumer must wait on ``event_handle``."""
     offset: int
+    """Byte offset of the tensor within its storage."""
     nbytes: int
+    """Bytes from the tensor's first to one past its last reachable byte."""
+
+    kind: ClassVar[Literal["cuda_ipc"]] = "cuda_ipc"
+    """The handle's kind (also its tag on the wire)."""
+
+    def storage_key(self) -> tuple[bytes, int]:
+        """Identify the storage: handles with equal keys are views of one storage."""
+        return self.ipc_handle, self.storage_offset
 
 
 HandleRef = ShmRef | CudaIpcRef

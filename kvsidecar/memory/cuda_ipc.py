@@ -16,50 +16,21 @@ On a CPU-only torch every function here raises `HandleError` with code ``"cuda_u
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-import msgspec
 import torch
 
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
 from kvsidecar.memory.shm import _as_flat, byte_span
+from kvsidecar.protocol import CudaIpcRef
 
 _Storage: Any = torch.UntypedStorage
 """torch's private storage APIs behind one untyped name (torch has no stubs for them)."""
 _cuda: Any = torch.cuda
 
 
-class CudaIpcHandle(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cuda_ipc", tag_field="kind"
-):
-    """One GPU tensor's place inside a CUDA allocation shared by IPC handle."""
-
-    kind: ClassVar[Literal["cuda_ipc"]] = "cuda_ipc"
-    """The handle's kind (also its tag on the wire)."""
-    device: int
-    """CUDA device index in the worker (the daemon must see the same devices)."""
-    ipc_handle: bytes
-    """``cudaIpcMemHandle_t`` of the allocation the storage lives in."""
-    storage_nbytes: int
-    """Size of the storage."""
-    storage_offset: int
-    """Byte offset of the storage within the CUDA allocation."""
-    ref_counter_handle: bytes
-    """Name of torch's shared reference-counter file."""
-    ref_counter_offset: int
-    """Slot of this export in the reference-counter file."""
-    event_handle: bytes | None
-    """IPC handle of the event to wait on before reading (None when none is needed)."""
-    event_sync_required: bool
-    """Whether the consumer must wait on ``event_handle``."""
-    offset: int
-    """Byte offset of the tensor within its storage."""
-    nbytes: int
-    """Bytes from the tensor's first to one past its last reachable byte."""
-
-    def storage_key(self) -> tuple[bytes, int]:
-        """Identify the storage: handles with equal keys are views of one storage."""
-        return self.ipc_handle, self.storage_offset
+CudaIpcHandle = CudaIpcRef
+"""A CUDA tensor's IPC export: the wire type `kvsidecar.protocol.CudaIpcRef`."""
 
 
 def _require_cuda() -> None:

@@ -17,12 +17,13 @@ import math
 import os
 import stat
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import msgspec
 import torch
 
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.protocol import ShmRef
 
 _Storage: Any = torch.UntypedStorage
 """torch's private storage APIs behind one untyped name (torch has no stubs for them)."""
@@ -31,25 +32,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """A sealed memfd cannot be shrunk under the daemon's mapping (which would SIGBUS its copies)."""
 
 
-class ShmHandle(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm", tag_field="kind"
-):
-    """One CPU tensor's place inside a shared storage whose fd is sent over the fd channel.
-
-    Several handles may name the same ``fd_index``: tensors that are views of one storage (many
-    layers in one region) share one fd, sent once and mapped once by the daemon.
-    """
-
-    kind: ClassVar[Literal["shm"]] = "shm"
-    """The handle's kind (also its tag on the wire)."""
-    fd_index: int
-    """Index of the storage's fd among the fds sent with the registration's token."""
-    storage_nbytes: int
-    """Size of the whole storage (the mapping the daemon makes)."""
-    offset: int
-    """Byte offset of the tensor's first element within the storage."""
-    nbytes: int
-    """Bytes from the tensor's first to one past its last reachable byte (strides included)."""
+ShmHandle = ShmRef
+"""One CPU tensor's place inside a shared storage: the wire type `kvsidecar.protocol.ShmRef`."""
 
 
 def _as_flat(storage: torch.UntypedStorage) -> torch.Tensor:
