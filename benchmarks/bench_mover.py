@@ -1,7 +1,7 @@
 """Block-copy benchmark: kvsidecar.mover against a naive per-layer copy and raw memcpy, one run.
 
-The in-process half of ``kvsidecar bench local``, with two layouts and two thread counts; the
-workload helpers live in `kvsidecar.bench.workload`.
+The in-process half of ``kvsidecar bench local``, with two layouts and two thread counts: a thin
+wrapper whose workload (caches, ids, copies, baselines, checks) is `kvsidecar.bench.workload`.
 
 Each layer is one K-or-V tensor of shape (num_blocks, 16, 8, 128) float16 (32 KiB per block);
 ``--blocks`` block ids move per layer. With the defaults, 32 layers x 4096 blocks are 4 GiB per
@@ -45,72 +45,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvsidecar import mover
 from kvsidecar.bench import workload
 from kvsidecar.bench.common import round_robin
-from kvsidecar.bench.workload import check_blocks, make_ids, mark_blocks
 
 BLOCK_SHAPE = (16, 8, 128)  # block_size, num_kv_heads, head_size
 DTYPE = torch.float16
 TORCH_THREADS = torch.get_num_threads()
 
 
-def allocate(layers: int, num_blocks: int, region: bool) -> list[torch.Tensor]:
-    return workload.allocate(layers, num_blocks, BLOCK_SHAPE, DTYPE, region)
-
-
 def bench_ids(
     src: list[torch.Tensor],
     dst: list[torch.Tensor],
-    memcpy_bufs: tuple[np.ndarray, np.ndarray],
+    memcpy: Callable[[], None],
     layout: str,
     kind: str,
-    ids: tuple[np.ndarray, np.ndarray],
+    ids: workload.IdPair,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     nbytes = args.layers * args.blocks * int(np.prod(BLOCK_SHAPE)) * DTYPE.itemsize
     src_ids, dst_ids = ids
-    # ids arrive from ZeroMQ as raw little-endian int32 frames
-    s_frame = np.frombuffer(src_ids.astype("<i4").tobytes(), dtype="<i4")
-    d_frame = np.frombuffer(dst_ids.astype("<i4").tobytes(), dtype="<i4")
     s_idx, d_idx = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
-
-    def run_copy(threads: int | None) -> Callable[[], Any]:
-        def go() -> None:
-            mover.validate_move(
-                s_frame, d_frame, src_num_blocks=args.num_blocks, dst_num_blocks=args.num_blocks
-            )
-            plan = mover.plan_runs(s_frame, d_frame)
-            mover.copy_runs(src, dst, plan, threads=threads)
-
-        return go
-
-    def naive(torch_threads: int) -> Callable[[], Any]:
-        def go() -> None:
-            before = torch.get_num_threads()
-            torch.set_num_threads(torch_threads)
-            try:
-                for s_t, d_t in zip(src, dst, strict=True):
-                    d_t.index_copy_(0, d_idx, s_t.index_select(0, s_idx))
-            finally:
-                torch.set_num_threads(before)
-
-        return go
-
-    def memcpy() -> None:
-        np.copyto(memcpy_bufs[1], memcpy_bufs[0])
-
     threads = mover.default_copy_threads() if args.threads is None else args.threads
     methods = [
         ("memcpy (np.copyto, contiguous)", memcpy),
-        (f"mover, {threads} threads", run_copy(args.threads)),
-        ("mover, 1 thread", run_copy(1)),
-        (f"naive index_copy_, torch {TORCH_THREADS} threads", naive(TORCH_THREADS)),
-        ("naive index_copy_, torch 1 thread", naive(1)),
+        (f"mover, {threads} threads", workload.run_copy(src, dst, src_ids, dst_ids, args.threads)),
+        ("mover, 1 thread", workload.run_copy(src, dst, src_ids, dst_ids, 1)),
+        (
+            f"naive index_copy_, torch {TORCH_THREADS} threads",
+            workload.naive_copy(src, dst, s_idx, d_idx, TORCH_THREADS),
+        ),
+        ("naive index_copy_, torch 1 thread", workload.naive_copy(src, dst, s_idx, d_idx, 1)),
     ]
     for name, fn in methods:  # warm-up and check, untimed
-        for view in dst:
-            view.view(torch.int16).view(view.shape[0], -1)[:, :2] = -1
+        workload.reset_marks(dst)
         fn()
         if name != methods[0][0]:
-            check_blocks(dst, src_ids, dst_ids)
+            workload.check_blocks(dst, src_ids, dst_ids)
     rates = round_robin(methods, args.repeat, nbytes)
     runs = len(mover.plan_runs(src_ids, dst_ids))
     rows = []
@@ -125,16 +93,16 @@ def bench_ids(
 def bench_layout(
     region: bool,
     args: argparse.Namespace,
-    id_sets: dict[str, tuple[np.ndarray, np.ndarray]],
-    memcpy_bufs: tuple[np.ndarray, np.ndarray],
+    id_sets: dict[str, workload.IdPair],
+    memcpy: Callable[[], None],
 ) -> list[dict[str, Any]]:
-    src = allocate(args.layers, args.num_blocks, region)
-    dst = allocate(args.layers, args.num_blocks, region)
-    mark_blocks(src)
+    src = workload.allocate(args.layers, args.num_blocks, BLOCK_SHAPE, DTYPE, region)
+    dst = workload.allocate(args.layers, args.num_blocks, BLOCK_SHAPE, DTYPE, region)
+    workload.mark_blocks(src)
     layout = "one region" if region else "separate tensors"
     rows = []
     for kind, ids in id_sets.items():
-        rows += bench_ids(src, dst, memcpy_bufs, layout, kind, ids, args)
+        rows += bench_ids(src, dst, memcpy, layout, kind, ids, args)
     return rows
 
 
@@ -175,8 +143,8 @@ def main() -> None:
     nbytes = args.layers * args.blocks * int(np.prod(BLOCK_SHAPE)) * DTYPE.itemsize
     rng = np.random.default_rng(args.seed)
     id_sets = {
-        "random": make_ids("random", args.blocks, args.num_blocks, 1, rng),
-        f"runs{args.run_length}": make_ids(
+        "random": workload.make_ids("random", args.blocks, args.num_blocks, 1, rng),
+        f"runs{args.run_length}": workload.make_ids(
             "runs", args.blocks, args.num_blocks, args.run_length, rng
         ),
     }
@@ -188,13 +156,10 @@ def main() -> None:
         flush=True,
     )
 
-    src_buf = np.empty(nbytes, dtype=np.uint8)
-    dst_buf = np.empty(nbytes, dtype=np.uint8)
-    src_buf.fill(1)  # touch every page now
-    dst_buf.fill(0)
-    rows = bench_layout(True, args, id_sets, (src_buf, dst_buf))
+    memcpy = workload.memcpy(nbytes)  # every page touched now
+    rows = bench_layout(True, args, id_sets, memcpy)
     gc.collect()  # free one layout's two caches before the next is allocated
-    rows += bench_layout(False, args, id_sets, (src_buf, dst_buf))
+    rows += bench_layout(False, args, id_sets, memcpy)
     print()
     print("\n".join(table(rows)))
     if args.json:

@@ -11,8 +11,8 @@ every worker reports ``ids`` finished requests (the same ids for all 8, so each 
   transport allows this pattern;
 - in process: `CompletionAggregator.aggregate` of the same reports.
 
-The multi-process version (8 worker processes, metrics-scrape cost) is ``benchmarks/
-bench_aggregator.py``; fold its workloads in here once it settles.
+With ``--processes``, also the multi-process workload of `kvsidecar.bench.aggregator_procs`
+(8 worker processes against raw zmq, the metrics-scrape cost; ``benchmarks/bench_aggregator.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from kvsidecar.aggregator import CompletionAggregator
-from kvsidecar.bench import procs
+from kvsidecar.bench import aggregator_procs, procs
 from kvsidecar.bench.common import Figure, Options, Progress, note
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
@@ -107,6 +107,7 @@ def run(opts: Options) -> list[Figure]:
         Path(runtime).rmdir()
     reports, completions = steps * WORKERS, steps * IDS
     group = f"aggregator: {WORKERS} workers, {IDS} ids per report"
+    extra = aggregator_procs.run(opts, IDS) if opts.processes else []
     return [
         Figure(
             name="aggregator/daemon Report round trips",
@@ -124,6 +125,7 @@ def run(opts: Options) -> list[Figure]:
             baseline_samples=[completions / s for s in local_s],
             group=group,
         ),
+        *extra,
     ]
 
 

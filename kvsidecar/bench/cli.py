@@ -68,6 +68,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         help="the local daemons' setting [zmq: a NIXL agent's progress thread spins a core]",
     )
     p.add_argument("--quick", action="store_true", help="small sizes: each kind in under 60 s")
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="aggregator: also 8 worker processes against raw zmq, and the /metrics scrape cost",
+    )
     p.add_argument("--json", metavar="FILE", help="write {machine, results} to FILE")
     p.add_argument("--chart", metavar="FILE.png", help="draw the charts (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

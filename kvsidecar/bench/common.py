@@ -44,6 +44,7 @@ class Options:
 
     ``layers`` K-or-V tensors of ``(num_blocks, *block_shape)`` of ``dtype``; ``blocks`` ids moved
     per layer; ``repeat`` timed rounds (``rounds`` x ``batch`` round trips for latency).
+    ``processes``: ``aggregator`` also measures across worker processes (`aggregator_procs`).
     """
 
     layers: int = 32
@@ -59,6 +60,7 @@ class Options:
     quick: bool = False
     peer_data_plane: str = "auto"
     progress: bool = True
+    processes: bool = False
 
     def __post_init__(self) -> None:
         if min(self.layers, self.blocks, self.num_blocks, self.repeat, self.rounds) < 1:
