@@ -6,9 +6,11 @@ SIGTERM/SIGINT, and `Daemon.shutdown`. A second signal skips the drain.
 
 The event loop only does I/O and bookkeeping: requests are decoded and checked here, the copies
 run on the `CopyExecutor`. Requests that finish without waiting (status, heartbeat, host
-alloc/free, every validation error) are answered inline, in arrival order; the others (register,
-unregister, move, fix) become tasks, but a move's blocks are claimed on the executor before the
-handler first awaits, so moves on the same blocks apply in arrival order.
+alloc/free, every validation error) are answered inline, in arrival order. Moves and fixes are
+checked inline and their blocks claimed on the executor at once, so moves on the same blocks
+apply in arrival order; their replies go out from the executor's completion callback (no task:
+on a 1-block move a task's loop iterations cost as much as the copy). The rest (register,
+unregister, pulls) become tasks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,8 @@ _DATA_FRAMES: dict[type, int] = {Move: 2, FixLayout: 1, HostFree: 1}
 _DATA_FRAMES.update({Pull: 2, Publish: 1})  # peer: (remote ids, local ids); published ids
 
 _Frames = list[zmq.Frame]
+_BURST = 64
+"""Requests served per reader callback before yielding to the loop."""
 
 
 class Daemon:
@@ -111,7 +115,8 @@ class Daemon:
         self.force_exit = False
         self._exit = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        """The control ROUTER: a plain socket read from a loop reader (see `_recv_loop`)."""
         self._fd_server: FdChannelServer | None = None
         self._pool: HostPool | None = None
         self._executor: CopyExecutor | None = None
@@ -145,6 +150,8 @@ class Daemon:
         """Moves whose end-to-end checksum found corrupted destination blocks."""
         # Epochs start at the start time in microseconds: unique across daemon restarts too.
         self._epochs = itertools.count(time.time_ns() // 1000)
+        self._replies: set[asyncio.Future[Reply]] = set()
+        """Replies of copy jobs not yet sent (shutdown sends them before closing the socket)."""
         self._jobs: dict[asyncio.Future[Any], frozenset[Hashable]] = {}
         """Pending copy jobs and the workers they touch (failed when one of them is released)."""
 
@@ -213,7 +220,7 @@ class Daemon:
         self.zap = ZapHandler(self._ctx)
         self.zap.policies[CONTROL_DOMAIN] = transport.policy
         self.zap.start()  # before bind: the socket refuses connections nobody vouches for
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         secure_server_socket(sock, domain=CONTROL_DOMAIN, keys=transport.keys)
         # Hard ceiling enforced by libzmq itself (the peer is disconnected); below it, oversize
@@ -271,6 +278,10 @@ class Daemon:
             log.warning("drain timeout: failing %d in-flight jobs", self._executor.in_flight)
         for task in list(self._tasks):
             task.cancel()
+        for job in list(self._jobs):  # copy jobs still in flight after the drain
+            job.cancel()
+        if self._replies:  # their replies (and those of jobs that just finished) go out first
+            await asyncio.wait(list(self._replies), timeout=1.0)
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
@@ -313,14 +324,47 @@ class Daemon:
     # ------------------------------------------------------------------ socket edge
 
     async def _recv_loop(self) -> None:
+        """Serve requests until cancelled.
+
+        The socket is read from a loop reader callback on its fd rather than with an awaited
+        ``recv_multipart`` per request: that costs a future and a task step per request, a good
+        part of a short command's round trip.
+        """
         assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        fd = int(self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._on_readable)
+        loop.call_soon(self._on_readable)  # anything queued before the reader existed
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(fd)
+
+    def _on_readable(self) -> None:
+        # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
+        # left to read (and `_send` re-checks after each send, which may swallow the edge). A
+        # burst is served in slices so that other callbacks (copy completions) run in between.
         sock = self._sock
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+        for _ in range(_BURST):
+            if sock is None:
+                return
+            try:
+                # Asking first is cheaper than the exception of a receive that finds nothing,
+                # and re-arms the fd the same way.
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # closing during shutdown
+                log.debug("control socket: %s", exc)
+                return
             try:
                 self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
+            sock = self._sock
+        asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _send(
         self,
@@ -337,8 +381,15 @@ class Daemon:
             return
         if isinstance(reply, Error):
             self.errors_total += 1
+        sock = self._sock
         try:
-            self._sock.send_multipart([ident, self._encoder.encode(reply), *data], copy=False)
+            # A ROUTER never blocks on send (it drops for a gone or saturated peer).
+            sock.send_multipart(
+                [ident, self._encoder.encode(reply), *data], zmq.NOBLOCK, copy=False
+            )
+            # The send may have taken the fd's edge: requests waiting now would go unnoticed.
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                asyncio.get_running_loop().call_soon(self._on_readable)
         except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
             log.debug("reply %s not sent: %s", type(reply).__name__, exc)
 
@@ -376,7 +427,7 @@ class Daemon:
                 raise SidecarError("shutting_down", "the daemon is shutting down")
             self._authorize(request, ident, body[0])  # security: forbidden before anything
             result = self._dispatch(request, [f.buffer for f in body[1:]])
-            if isinstance(request, Register) and not isinstance(result, tuple):
+            if isinstance(request, Register) and asyncio.iscoroutine(result):
                 result = self._bind_on_success(ident, body[0], result)
         except SidecarError as exc:
             rid = request_id or exc.request_id
@@ -390,6 +441,14 @@ class Daemon:
         if isinstance(result, tuple):
             reply, data = result
             self._send(ident, reply, data, command=command, started=started)
+        elif isinstance(result, asyncio.Future):
+
+            def answer(outcome: asyncio.Future[Reply]) -> None:
+                self._replies.discard(outcome)
+                self._send(ident, _reply_of(outcome, request_id), command=command, started=started)
+
+            self._replies.add(result)
+            result.add_done_callback(answer)
         else:
             task = asyncio.create_task(
                 self._finish(ident, request_id, result, command=command, started=started)
@@ -503,8 +562,11 @@ class Daemon:
 
     def _dispatch(
         self, req: Request, data: list[memoryview]
-    ) -> tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply]:
-        """Answer a request inline (a reply and its data frames) or return the work to await."""
+    ) -> tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]:
+        """Answer a request inline (a reply and its data frames), or return what answers later.
+
+        That is a coroutine (run as a task), or for copy jobs the future of the reply.
+        """
         match req:
             case Hello():
                 _check_version(req.protocol_version)
@@ -608,7 +670,7 @@ class Daemon:
             raise SidecarError("not_allocated", str(exc)) from None
         return Ok(id=req.id)
 
-    def _move(self, req: Move, data: list[memoryview]) -> Coroutine[Any, Any, Reply]:
+    def _move(self, req: Move, data: list[memoryview]) -> asyncio.Future[Reply]:
         src_ids = self._ids(data[0], req.ids_dtype, "source")
         dst_ids = self._ids(data[1], req.ids_dtype, "destination")
         checksum = self.config.checksum if req.checksum is None else req.checksum
@@ -616,40 +678,51 @@ class Daemon:
         # Classified now: by the time the move ends its workers may have left the registry.
         fix = move_fix_kind(self.registry, req) if job.fixed else None
         invalid = dst_ids.tolist() if req.request_ids else []
-        return self._track_move(req, fix, invalid, self._run_job(job, req.id, move=True))
+        return self._run_job(
+            job, req.id, move=True, track=lambda reply: self._track_move(req, fix, invalid, reply)
+        )
 
-    async def _track_move(
+    def _track_move(
         self,
         req: Move,
         fix: LayoutFixKind | None,
         dst_ids: list[int],
-        work: Coroutine[Any, Any, Reply],
-    ) -> Reply:
+        outcome: asyncio.Future[Reply],
+    ) -> None:
         """Metrics and completions of one move: counted by kind, its request ids credited."""
         kind = move_kind(req.src, req.dst)
-        try:
-            reply = await work
-        except BaseException as exc:
-            if isinstance(exc, SidecarError):
-                code = exc.code
-            elif isinstance(exc, asyncio.CancelledError):
+        failure = None if outcome.cancelled() else outcome.exception()
+        if outcome.cancelled() or failure is not None:
+            if failure is None:
                 code = "shutting_down"
             else:
-                code = "internal"
+                code = failure.code if isinstance(failure, SidecarError) else "internal"
             self.observability.move_failed(kind, code)
             self.completions.move_finished(
                 req.src, req.dst, req.request_ids, ok=False, dst_ids=dst_ids
             )
-            raise
+            return
+        reply = outcome.result()
         if isinstance(reply, Moved):
             self.observability.move_done(
                 kind, req.dst.worker.engine_id, reply.nbytes, reply.seconds
             )
             self.observability.layout_fixed(fix)
         self.completions.move_finished(req.src, req.dst, req.request_ids, ok=True)
-        return reply
 
-    def _run_job(self, job: Job, request_id: int, *, move: bool) -> Coroutine[Any, Any, Reply]:
+    def _run_job(
+        self,
+        job: Job,
+        request_id: int,
+        *,
+        move: bool,
+        track: Callable[[asyncio.Future[Reply]], None] | None = None,
+    ) -> asyncio.Future[Reply]:
+        """Submit a checked job; the returned future holds its reply (`Moved` / `Fixed`).
+
+        Completion is a chain of callbacks, not a task: on a 1-block move, a task's extra loop
+        iterations cost as much as the copy. ``track`` sees the outcome before the reply is sent.
+        """
         assert self._executor is not None
         # reliability: bounded queue (busy beyond it); the workers as they are now, so that a
         # release (or re-registration) while the job waits or runs fails it instead of
@@ -657,62 +730,89 @@ class Daemon:
         refs = [w for w in job.workers if isinstance(w, WorkerRef)]
         ticket = self.admission.admit(refs)
         owners = {ref: self.registry.workers.get(ref) for ref in refs}
-        # Claim the blocks now, synchronously, so that arrival order is application order.
-        pending = asyncio.ensure_future(
-            self._executor.submit(job.run, reads=job.reads, writes=job.writes)
-        )
-        pending.add_done_callback(_consume_exception)
-        self._jobs[pending] = job.workers
-        pending.add_done_callback(lambda fut: self._jobs.pop(fut, None))
-        pending.add_done_callback(lambda _: self.admission.release(ticket))
         started = time.perf_counter()
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
-        async def finish() -> Reply:
+        def finish(pending: asyncio.Future[int]) -> None:
+            self._jobs.pop(pending, None)
+            self.admission.release(ticket)
             try:
-                try:
-                    nbytes = await pending
-                except asyncio.CancelledError:
-                    me = asyncio.current_task()
-                    if pending.cancelled() and not (me and me.cancelling()):  # by `_release`
-                        raise SidecarError(
-                            "worker_lost", "a worker of this move was released while it waited"
-                        ) from None
-                    raise
-                lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
-                if lost:
-                    raise SidecarError(
-                        "worker_lost",
-                        f"{', '.join(r.label() for r in lost)} was released during the move; "
-                        "its outcome is unknown",
-                    )
-            except BaseException:
+                reply = self._job_reply(
+                    job,
+                    request_id=request_id,
+                    pending=pending,
+                    owners=owners,
+                    move=move,
+                    started=started,
+                )
+            except BaseException as exc:  # handed on to the reply
                 if move:
                     self.moves_failed_total += 1
-                raise
-            seconds = time.perf_counter() - started
-            if not move:
-                return Fixed(id=request_id, blocks=job.blocks)
-            self.moves_total += 1
-            self.bytes_moved_total += nbytes
-            check = job.verification
-            if check is not None and check.invalid_block_ids:
-                self.integrity_failures_total += 1
-                log.warning(
-                    "move %d: checksum mismatch on destination blocks %s",
-                    request_id,
-                    check.invalid_block_ids[:16],
-                )
-            return Moved(
-                id=request_id,
-                blocks=job.blocks,
-                nbytes=nbytes,
-                seconds=seconds,
-                fixed=job.fixed,
-                verified=check is not None and check.verified,
-                invalid_block_ids=[] if check is None else check.invalid_block_ids,
-            )
+                if isinstance(exc, asyncio.CancelledError):
+                    outcome.cancel()
+                else:
+                    if not isinstance(exc, SidecarError):
+                        log.error("request %d failed", request_id, exc_info=exc)
+                    # Handed on without its traceback: its frames would keep the job (and its
+                    # views of a released worker's memory) alive until a garbage collection.
+                    outcome.set_exception(exc.with_traceback(None))
+            else:
+                outcome.set_result(reply)
+            if track is not None:
+                track(outcome)
 
-        return finish()
+        # Claim the blocks now, synchronously, so that arrival order is application order.
+        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes)
+        self._jobs[pending] = job.workers
+        pending.add_done_callback(finish)
+        return outcome
+
+    def _job_reply(
+        self,
+        job: Job,
+        *,
+        request_id: int,
+        pending: asyncio.Future[int],
+        owners: dict[WorkerRef, Worker | None],
+        move: bool,
+        started: float,
+    ) -> Reply:
+        """Build the reply of a finished job, or raise its failure."""
+        if pending.cancelled():
+            if self.draining:  # cancelled by shutdown
+                raise asyncio.CancelledError
+            # by `_release`
+            raise SidecarError("worker_lost", "a worker of this move was released while it waited")
+        nbytes = pending.result()
+        lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
+        if lost:
+            raise SidecarError(
+                "worker_lost",
+                f"{', '.join(r.label() for r in lost)} was released during the move; "
+                "its outcome is unknown",
+            )
+        seconds = time.perf_counter() - started
+        if not move:
+            return Fixed(id=request_id, blocks=job.blocks)
+        self.moves_total += 1
+        self.bytes_moved_total += nbytes
+        check = job.verification
+        if check is not None and check.invalid_block_ids:
+            self.integrity_failures_total += 1
+            log.warning(
+                "move %d: checksum mismatch on destination blocks %s",
+                request_id,
+                check.invalid_block_ids[:16],
+            )
+        return Moved(
+            id=request_id,
+            blocks=job.blocks,
+            nbytes=nbytes,
+            seconds=seconds,
+            fixed=job.fixed,
+            verified=check is not None and check.verified,
+            invalid_block_ids=[] if check is None else check.invalid_block_ids,
+        )
 
     def _status(self, req: Status) -> StatusReply:
         now = time.monotonic()
@@ -929,11 +1029,23 @@ class Daemon:
             keys: set[Hashable] = {worker.device.key}
             if worker.host is not None:
                 keys.add(worker.host.key)
-            if not await self._executor.wait_for_keys(keys, self.config.drain_timeout_s):
+            closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def close() -> None:
+                # Run by the executor as the last copy on this worker ends: the mappings go in
+                # the same callback that takes the copy out of the in-flight count.
+                worker.close()
+                if not closed.done():
+                    closed.set_result(None)
+
+            self._executor.when_idle(keys, close)
+            try:
+                await asyncio.wait_for(asyncio.shield(closed), self.config.drain_timeout_s)
+            except asyncio.TimeoutError:
                 log.warning(
                     "%s: copies still running at release; views keep them safe", ref.label()
                 )
-        worker.close()
+        worker.close()  # idempotent
         log.info("released %s (%s)", ref.label(), why)
 
     def _on_fd_close(self, conn: FdConnection) -> None:
@@ -986,11 +1098,16 @@ class Daemon:
             self.peer.completions.append(event)
 
 
-def _consume_exception(fut: asyncio.Future[Any]) -> None:
-    # The awaiting handler reports failures; this only silences "exception never retrieved"
-    # when that handler was cancelled first.
-    if not fut.cancelled():
-        fut.exception()
+def _reply_of(outcome: asyncio.Future[Reply], request_id: int) -> Reply:
+    """Return a finished job's reply: its result, or its failure as an `Error`."""
+    if outcome.cancelled():
+        return Error(id=request_id, code="shutting_down", message="cancelled by shutdown")
+    exc = outcome.exception()
+    if exc is None:
+        return outcome.result()
+    if isinstance(exc, SidecarError):
+        return Error(id=request_id, code=exc.code, message=exc.message)
+    return Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
 
 
 def _check_version(version: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,14 @@ T = TypeVar("T")
 
 BlockSets = Mapping[Hashable, npt.NDArray[np.signedinteger]]
 """Blocks a job touches: buffer-set key -> block ids (each id a whole destination block)."""
+
+
+def _call_soon(
+    loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
+) -> None:
+    """Schedule ``callback`` on ``loop`` from any thread; a closed loop (exit) drops it."""
+    with contextlib.suppress(RuntimeError):  # the loop closed under a running copy
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _overlap(a: BlockSets, b: BlockSets) -> bool:
@@ -41,14 +50,16 @@ class _Job:
     reads: BlockSets
     writes: BlockSets
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    started: bool = False
+    then: list[Callable[[], None]] = field(default_factory=list)
+    """Called on the loop once the job has finished (later jobs that wait for it)."""
 
 
 class CopyExecutor:
     """Thread pool for copies, with per-block hazard ordering in arrival order.
 
     Call `submit` from the event loop. The order of `submit` calls is the order of application
-    for conflicting jobs: the conflict check happens synchronously inside `submit`, before it
-    first awaits.
+    for conflicting jobs: the conflict check happens synchronously inside `submit`.
     """
 
     def __init__(self, threads: int, *, name: str = "kvsidecar-copy") -> None:
@@ -72,8 +83,19 @@ class CopyExecutor:
             if any(isinstance(k, tuple) and k[0] == owner for k in (*j.reads, *j.writes))
         )
 
-    async def submit(self, fn: Callable[[], T], *, reads: BlockSets, writes: BlockSets) -> T:
-        """Run ``fn`` on a copy thread once every earlier conflicting job has finished."""
+    def submit(
+        self, fn: Callable[[], T], *, reads: BlockSets, writes: BlockSets
+    ) -> asyncio.Future[T]:
+        """Run ``fn`` on a copy thread once every earlier conflicting job has finished.
+
+        Returns a future for its result. Cancelling it before the job starts drops the job;
+        once started, the thread runs to the end and the job stays in flight until it does, so
+        no later job overtakes it and no mapping is released under a running copy.
+
+        The hand-off is one ``call_soon_threadsafe`` back to the loop, with no task, wrapped
+        future or shield on the way (each costs a loop iteration on a short command).
+        """
+        loop = asyncio.get_running_loop()
         job = _Job(reads, writes)
         before = [
             j
@@ -81,35 +103,89 @@ class CopyExecutor:
             if _overlap(j.writes, writes) or _overlap(j.writes, reads) or _overlap(j.reads, writes)
         ]
         self._active.append(job)
-        fut: asyncio.Future[T] | None = None
+        result: asyncio.Future[T] = loop.create_future()
+        if not before:
+            self._start(loop, job, fn, result)
+            return result
+        waiting = len(before)
+
+        def earlier_done() -> None:
+            nonlocal waiting
+            waiting -= 1
+            if waiting == 0:
+                self._start(loop, job, fn, result)
+
+        def cancelled(fut: asyncio.Future[T]) -> None:
+            if fut.cancelled() and not job.started:  # dropped before it started: nobody waits
+                self._finish(job)
+
+        for earlier in before:
+            earlier.then.append(earlier_done)
+        result.add_done_callback(cancelled)
+        return result
+
+    def _start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        job: _Job,
+        fn: Callable[[], T],
+        result: asyncio.Future[T],
+    ) -> None:
+        if result.done():  # cancelled while it waited: it never runs
+            self._finish(job)
+            return
+        job.started = True  # from here on it stays in flight until its thread is done
+
+        def work() -> None:
+            start = time.perf_counter()
+            value: T | None = None
+            error: BaseException | None = None
+            try:
+                value = fn()
+            except BaseException as exc:  # handed to the awaiting side, like run_in_executor
+                error = exc
+            finally:
+                self.busy_seconds += time.perf_counter() - start
+            _call_soon(loop, self._settle, job, result, value, error)
+            del error  # no cycle through this frame: it holds ``fn`` (the job's views)
+
         try:
-            for earlier in before:
-                await earlier.done.wait()
-            # Shielded: if the caller is cancelled (shutdown), the thread still runs to the end
-            # and the job stays active until it does, so no later job overtakes it and no
-            # mapping is released under a running copy.
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn)
-            return await asyncio.shield(fut)
-        finally:
-            self._finish_when_done(job, fut)
+            handle = self._pool.submit(work)
+        except RuntimeError as exc:  # the pool is shut down
+            self._settle(job, result, None, exc)
+            return
 
-    def _timed(self, fn: Callable[[], T]) -> T:
-        start = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.busy_seconds += time.perf_counter() - start
+        # Queued work dropped by `shutdown` never runs `work`: settle it as cancelled.
+        def dropped(h: concurrent.futures.Future[None]) -> None:
+            if h.cancelled():
+                _call_soon(loop, self._drop, job, result)
 
-    def _finish_when_done(self, job: _Job, fut: asyncio.Future[T] | None) -> None:
-        def finish(_: object = None) -> None:
-            if job in self._active:
-                self._active.remove(job)
-            job.done.set()
+        handle.add_done_callback(dropped)
 
-        if fut is None or fut.done():
-            finish()
+    def _settle(
+        self, job: _Job, result: asyncio.Future[T], value: T | None, error: BaseException | None
+    ) -> None:
+        self._finish(job)
+        if result.done():
+            return
+        if error is not None:
+            result.set_exception(error)
         else:
-            fut.add_done_callback(finish)
+            result.set_result(value)  # type: ignore[arg-type]
+
+    def _drop(self, job: _Job, result: asyncio.Future[T]) -> None:
+        self._finish(job)
+        result.cancel()
+
+    def _finish(self, job: _Job) -> None:
+        if job.done.is_set():
+            return
+        if job in self._active:
+            self._active.remove(job)
+        job.done.set()
+        then, job.then = job.then, []
+        for callback in then:
+            callback()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no job is in flight; False if ``timeout`` seconds passed first."""
@@ -124,20 +200,27 @@ class CopyExecutor:
                 return False
         return True
 
-    async def wait_for_keys(self, keys: set[Hashable], timeout: float) -> bool:
-        """Wait until no in-flight job touches any of ``keys``; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            pending = [j for j in self._active if keys & (set(j.reads) | set(j.writes))]
-            if not pending:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(pending[0].done.wait(), left)
-            except asyncio.TimeoutError:
-                return False
+    def when_idle(self, keys: set[Hashable], callback: Callable[[], None]) -> None:
+        """Call ``callback`` once no in-flight job touches any of ``keys``.
+
+        At once if none does; otherwise from the finish of the last such job, in the very
+        callback that takes it out of `in_flight` (so nothing can observe the gap between).
+        Jobs submitted later are not waited for.
+        """
+        pending = [j for j in self._active if keys & (set(j.reads) | set(j.writes))]
+        if not pending:
+            callback()
+            return
+        left = len(pending)
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                callback()
+
+        for job in pending:
+            job.then.append(one_done)
 
     def shutdown(self, *, wait: bool) -> None:
         """Stop the threads; with ``wait=False`` a running copy is abandoned to process exit."""

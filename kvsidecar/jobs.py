@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvsidecar import integrity, layout, mover
@@ -44,19 +45,58 @@ class Job:
 
 
 def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    if not ids.size:
+        return
+    if ids.size <= mover.SMALL_MOVE_IDS:  # numpy reductions cost more than a few ids
+        values = ids.tolist()
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
         raise SidecarError(
             "out_of_range", f"{what} id {bad} is outside 0..{num_blocks - 1} ({num_blocks} blocks)"
         )
 
 
 def _check_unique(ids: IdArray, what: str) -> None:
-    if ids.size > 1 and np.unique(ids).size != ids.size:
-        values, counts = np.unique(ids, return_counts=True)
-        raise SidecarError(
-            "duplicate_destination", f"{what} id {int(values[counts > 1][0])} appears twice"
-        )
+    if ids.size <= 1:
+        return
+    if ids.size <= mover.SMALL_MOVE_IDS:
+        values = ids.tolist()
+        if len(set(values)) == len(values):
+            return
+    elif np.unique(ids).size == ids.size:
+        return
+    uniq, counts = np.unique(ids, return_counts=True)
+    raise SidecarError(
+        "duplicate_destination", f"{what} id {int(uniq[counts > 1][0])} appears twice"
+    )
+
+
+def _overlap(a: IdArray, b: IdArray) -> bool:
+    if a.size <= mover.SMALL_MOVE_IDS and b.size <= mover.SMALL_MOVE_IDS:
+        return not set(a.tolist()).isdisjoint(b.tolist())
+    return bool(np.intersect1d(a, b).size)
+
+
+def _small_rows(
+    src: BufferSet, dst: BufferSet, names: list[str]
+) -> tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]] | None:
+    """Both sides' CPU byte rows for `mover.copy_small`, or None where that path does not apply."""
+    src_rows: list[npt.NDArray[np.uint8]] = []
+    dst_rows: list[npt.NDArray[np.uint8]] = []
+    for n in names:
+        s_rows = src.layers[n].cpu_rows()
+        d_rows = dst.layers[n].cpu_rows()
+        if s_rows is None or d_rows is None or len(s_rows) != len(d_rows):
+            return None
+        for s_arr, d_arr in zip(s_rows, d_rows, strict=True):
+            if s_arr.shape[1] != d_arr.shape[1]:
+                return None
+        src_rows += s_rows
+        dst_rows += d_rows
+    return src_rows, dst_rows
 
 
 def _select_layers(
@@ -129,26 +169,45 @@ def prepare_move(
     _check_range(src_ids, src.num_blocks, "source")
     _check_range(dst_ids, dst.num_blocks, "destination")
     _check_unique(dst_ids, "destination")
-    if src is dst and np.intersect1d(src_ids, dst_ids).size:
+    if src is dst and _overlap(src_ids, dst_ids):
         raise SidecarError(
             "invalid_message", "source and destination blocks overlap in the same buffer set"
         )
     src_idx = src_ids.astype(np.int64)
     dst_idx = dst_ids.astype(np.int64)
-    sub_dst = (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+    sub_dst = (
+        dst_idx
+        if ratio == 1
+        else (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+    )
     fixes = [
         (dst.layers[n], src.layers[n].descriptor.memory_order)
         for n in names
         if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
     ]
-    src_views = [v for n in names for v in src.layers[n].block_views]
-    dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
-    plan = mover.plan_runs(src_idx, sub_dst)
     verification = integrity.Verification() if checksum else None
+    # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
+    small = (
+        _small_rows(src, dst, names)
+        if ratio == 1 and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS
+        else None
+    )
+    if small is not None:
+        small_src, small_dst = small
+        runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
-    def run() -> int:
-        if verification is not None:
-            copied = integrity.verified_copy(
+        def copy() -> int:
+            return mover.copy_small(small_src, small_dst, runs)
+
+    else:
+        src_views = [v for n in names for v in src.layers[n].block_views]
+        dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
+        plan = mover.plan_runs(src_idx, sub_dst)
+
+        def copy() -> int:
+            if verification is None:
+                return mover.copy_runs(src_views, dst_views, plan)
+            return integrity.verified_copy(
                 lambda: int(mover.copy_runs(src_views, dst_views, plan)),
                 src_views=src_views,
                 src_ids=src_idx,
@@ -157,8 +216,9 @@ def prepare_move(
                 ratio=ratio,
                 result=verification,
             )
-        else:
-            copied = mover.copy_runs(src_views, dst_views, plan)
+
+    def run() -> int:
+        copied = copy()
         if fixes:
             index = torch.from_numpy(dst_idx)
             for target, remote_order in fixes:

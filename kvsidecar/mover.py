@@ -43,8 +43,10 @@ __all__ = [
     "RunPlan",
     "clip_ssm_state_blocks",
     "copy_runs",
+    "copy_small",
     "default_copy_threads",
     "plan_runs",
+    "plan_small",
     "validate_move",
 ]
 
@@ -231,6 +233,49 @@ def plan_runs(src_ids: BlockIds, dst_ids: BlockIds) -> RunPlan:
     starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
     ends = np.concatenate((breaks, np.array([src.size], dtype=np.int64)))
     return RunPlan(src[starts], dst[starts], ends - starts)
+
+
+SMALL_MOVE_IDS = 16
+"""Moves of at most this many ids are planned in pure Python (`plan_small`): for a handful of
+ids, numpy's per-call cost is several times the work (measured: 14 µs against 1 µs for one id)."""
+
+
+def plan_small(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`plan_runs` for short id lists already checked: ``(src_start, dst_start, length)`` runs."""
+    runs: list[tuple[int, int, int]] = []
+    s0 = d0 = prev_s = prev_d = -2
+    n = 0
+    for s, d in zip(src, dst, strict=True):
+        if n and s == prev_s + 1 and d == prev_d + 1:
+            n += 1
+        else:
+            if n:
+                runs.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+        prev_s, prev_d = s, d
+    if n:
+        runs.append((s0, d0, n))
+    return runs
+
+
+def copy_small(
+    src_rows: Sequence[npt.NDArray[np.uint8]],
+    dst_rows: Sequence[npt.NDArray[np.uint8]],
+    runs: Sequence[tuple[int, int, int]],
+) -> int:
+    """Copy a few runs between CPU byte-row arrays ``(num_blocks, row_bytes)``, one per view.
+
+    The fast path for small moves: no per-call view building or layer stacking, whose fixed
+    cost (tens of µs per view) dwarfs copying a few blocks. The caller has checked everything
+    `copy_runs` checks (pairs agree in row size, the runs fit). Returns the bytes copied.
+    """
+    copyto = np.copyto
+    total = 0
+    for src, dst in zip(src_rows, dst_rows, strict=True):
+        for s, d, n in runs:
+            copyto(dst[d : d + n], src[s : s + n])
+        total += src.shape[1] * sum(n for _, _, n in runs)
+    return total
 
 
 # --------------------------------------------------------------------------------------------

@@ -566,3 +566,28 @@ def test_clip_ssm_state_blocks_enumerated() -> None:
 def test_clip_ssm_state_blocks_rejects_negative() -> None:
     with pytest.raises(ValueError):
         clip_ssm_state_blocks([1, 2], -1)
+
+
+# --- small moves (`plan_small` / `copy_small`, the daemon's path for a few ids) ---
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=16))
+def test_plan_small_matches_plan_runs(pairs: list[tuple[int, int]]) -> None:
+    src = [s for s, _ in pairs]
+    dst = [d for _, d in pairs]
+    expected = [(r.src_start, r.dst_start, r.length) for r in mover.plan_runs(src, dst)]
+    assert mover.plan_small(src, dst) == expected
+
+
+def test_copy_small_copies_the_same_bytes_as_copy_runs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randint(0, 255, (16, 64), dtype=torch.uint8, generator=gen) for _ in range(3)]
+    want = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(3)]
+    got = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(3)]
+    src_ids, dst_ids = [3, 4, 5, 9, 0], [7, 8, 1, 2, 15]
+    copied = mover.copy_runs(src, want, mover.plan_runs(src_ids, dst_ids))
+    small = mover.copy_small(
+        [s.numpy() for s in src], [g.numpy() for g in got], mover.plan_small(src_ids, dst_ids)
+    )
+    assert small == copied == 3 * 5 * 64
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
