@@ -11,6 +11,11 @@ checked inline and their blocks claimed on the executor at once, so moves on the
 apply in arrival order; their replies go out from the executor's completion callback (no task:
 on a 1-block move a task's loop iterations cost as much as the copy). The rest (register,
 unregister, pulls) become tasks.
+
+The handlers live with their owners: `kvsidecar.registration` (hello, register, unregister,
+heartbeat, grant; leases and the release of workers) and `kvsidecar.commands` (moves, fixes,
+host alloc/free, status), both mixins of `Daemon`. This module keeps the lifecycle, the socket
+edge, access checks and dispatch.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Coroutine, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -33,44 +38,33 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvsidecar import __version__, layout
+from kvsidecar import __version__
 from kvsidecar.access import AccessControl, Principal  # security
 from kvsidecar.admission import Admission  # reliability
 from kvsidecar.auth import CONTROL_DOMAIN, ZapHandler, control_transport, secure_server_socket
+from kvsidecar.commands import Commands
 from kvsidecar.completions import CompletionService
 from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
 from kvsidecar.executor import CopyExecutor
-from kvsidecar.framing import IdArray, decode_ids, encode_ids
-from kvsidecar.jobs import Job, prepare_fix, prepare_move
-from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
-from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
-from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
-from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
-from kvsidecar.memory.shm import ShmHandle, open_shm_all
-from kvsidecar.metrics import LayoutFixKind, Readiness, StateSnapshot
-from kvsidecar.observability import Observability, move_fix_kind, move_kind, readiness, snapshot
+from kvsidecar.jobs import prepare_fix
+from kvsidecar.memory.fd_channel import FdChannelServer
+from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.metrics import Readiness, StateSnapshot
+from kvsidecar.observability import Observability, readiness, snapshot
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.protocol import (  # peer
-    PROTOCOL_VERSION,
     REQUEST_TAGS,
-    BufferDescriptor,
     Collect,
-    CudaIpcRef,
     Envelope,
     Error,
-    Fixed,
     FixLayout,
     Grant,
     Heartbeat,
     Hello,
-    HelloReply,
     HostAlloc,
-    HostAllocated,
     HostFree,
     Move,
-    Moved,
-    Ok,
     PeerCompletion,
     Publish,
     Pull,
@@ -79,14 +73,12 @@ from kvsidecar.protocol import (  # peer
     Reply,
     Report,
     Request,
-    ShmRef,
     Status,
-    StatusReply,
     TakePeerEvents,
     Unregister,
-    WorkerRef,
 )
-from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
+from kvsidecar.registration import Registration, _check_version
+from kvsidecar.registry import Registry, check_epoch
 from kvsidecar.sdnotify import Notifier, watchdog_loop
 
 log = logging.getLogger("kvsidecar.daemon")
@@ -100,7 +92,7 @@ _BURST = 64
 """Requests served per reader callback before yielding to the loop."""
 
 
-class Daemon:
+class Daemon(Registration, Commands):
     """One kvsidecar daemon. ``await startup()``; ``await shutdown()``; or `run` / `serve`.
 
     ``started`` is set once the sockets are bound and the pool is allocated (tests and the CLI
@@ -582,11 +574,7 @@ class Daemon:
             case Move():
                 return self._move(req, data)
             case Grant():  # security
-                self.registry.worker(req.owner)
-                if not req.grantee:
-                    raise SidecarError("invalid_message", "grantee must not be empty")
-                self.access.grant(req.owner.engine_id, req.grantee, read=req.read, write=req.write)
-                return Ok(id=req.id), ()
+                return self._grant(req), ()
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 return self._run_job(prepare_fix(self.registry, req, ids), req.id, move=False)
@@ -618,456 +606,6 @@ class Daemon:
         raise SidecarError(
             "unknown_message", f"no handler for {type(req).__name__}"
         )  # pragma: no cover
-
-    def _ids(self, frame: memoryview, dtype: Any, what: str) -> IdArray:
-        return decode_ids(frame, dtype, max_ids=self.config.max_ids_per_command, what=what)
-
-    def _hello(self, req: Hello) -> HelloReply:
-        cfg = self.config
-        return HelloReply(
-            id=req.id,
-            protocol_version=PROTOCOL_VERSION,
-            daemon_version=__version__,
-            fd_socket=cfg.fd_socket,
-            lease_s=cfg.lease_s,
-            max_message_bytes=cfg.max_message_bytes,
-            max_ids_per_command=cfg.max_ids_per_command,
-            metrics_port=self.observability.port,
-        )
-
-    def _heartbeat(self, req: Heartbeat) -> Ok:
-        deadline = time.monotonic() + self.config.lease_s
-        workers = [self.registry.worker(ref) for ref in req.workers]  # all known, or none renewed
-        for worker, epoch in zip(workers, req.epochs, strict=False):
-            check_epoch(worker, epoch)  # a restarted worker's old heartbeat renews nothing
-        for worker in workers:
-            worker.lease_deadline = deadline
-        return Ok(id=req.id)
-
-    def _host_alloc(self, req: HostAlloc) -> tuple[Reply, tuple[Any, ...]]:
-        engine = self.registry.engine(req.engine_id)
-        if req.count < 0:
-            raise SidecarError("invalid_message", f"count {req.count} < 0")
-        if req.count > self.config.max_ids_per_command:
-            raise SidecarError("too_large", f"{req.count} ids is more than one command may carry")
-        if engine.allocator is None:
-            raise SidecarError("pool_exhausted", f"engine {req.engine_id!r} has no host blocks")
-        try:
-            ids = engine.allocator.alloc(req.count)
-        except HandleError as exc:
-            raise SidecarError("pool_exhausted", str(exc)) from None
-        arr = encode_ids(ids, req.ids_dtype)
-        return HostAllocated(id=req.id, count=len(ids), ids_dtype=req.ids_dtype), (arr,)
-
-    def _host_free(self, req: HostFree, frame: memoryview) -> Ok:
-        engine = self.registry.engine(req.engine_id)
-        ids = self._ids(frame, req.ids_dtype, "host block")
-        if engine.allocator is None:
-            raise SidecarError("not_allocated", f"engine {req.engine_id!r} has no host blocks")
-        try:
-            engine.allocator.free(ids.tolist())
-        except HandleError as exc:
-            raise SidecarError("not_allocated", str(exc)) from None
-        return Ok(id=req.id)
-
-    def _move(self, req: Move, data: list[memoryview]) -> asyncio.Future[Reply]:
-        src_ids = self._ids(data[0], req.ids_dtype, "source")
-        dst_ids = self._ids(data[1], req.ids_dtype, "destination")
-        checksum = self.config.checksum if req.checksum is None else req.checksum
-        job = prepare_move(self.registry, req, src_ids, dst_ids, checksum=checksum)
-        # Classified now: by the time the move ends its workers may have left the registry.
-        fix = move_fix_kind(self.registry, req) if job.fixed else None
-        invalid = dst_ids.tolist() if req.request_ids else []
-        return self._run_job(
-            job, req.id, move=True, track=lambda reply: self._track_move(req, fix, invalid, reply)
-        )
-
-    def _track_move(
-        self,
-        req: Move,
-        fix: LayoutFixKind | None,
-        dst_ids: list[int],
-        outcome: asyncio.Future[Reply],
-    ) -> None:
-        """Metrics and completions of one move: counted by kind, its request ids credited."""
-        kind = move_kind(req.src, req.dst)
-        failure = None if outcome.cancelled() else outcome.exception()
-        if outcome.cancelled() or failure is not None:
-            if failure is None:
-                code = "shutting_down"
-            else:
-                code = failure.code if isinstance(failure, SidecarError) else "internal"
-            self.observability.move_failed(kind, code)
-            self.completions.move_finished(
-                req.src, req.dst, req.request_ids, ok=False, dst_ids=dst_ids
-            )
-            return
-        reply = outcome.result()
-        if isinstance(reply, Moved):
-            self.observability.move_done(
-                kind, req.dst.worker.engine_id, reply.nbytes, reply.seconds
-            )
-            self.observability.layout_fixed(fix)
-        self.completions.move_finished(req.src, req.dst, req.request_ids, ok=True)
-
-    def _run_job(
-        self,
-        job: Job,
-        request_id: int,
-        *,
-        move: bool,
-        track: Callable[[asyncio.Future[Reply]], None] | None = None,
-    ) -> asyncio.Future[Reply]:
-        """Submit a checked job; the returned future holds its reply (`Moved` / `Fixed`).
-
-        Completion is a chain of callbacks, not a task: on a 1-block move, a task's extra loop
-        iterations cost as much as the copy. ``track`` sees the outcome before the reply is sent.
-        """
-        assert self._executor is not None
-        # reliability: bounded queue (busy beyond it); the workers as they are now, so that a
-        # release (or re-registration) while the job waits or runs fails it instead of
-        # reporting bytes that may have gone to, or come from, memory nobody owns any more.
-        refs = [w for w in job.workers if isinstance(w, WorkerRef)]
-        ticket = self.admission.admit(refs)
-        owners = {ref: self.registry.workers.get(ref) for ref in refs}
-        started = time.perf_counter()
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-
-        def finish(pending: asyncio.Future[int]) -> None:
-            self._jobs.pop(pending, None)
-            self.admission.release(ticket)
-            try:
-                reply = self._job_reply(
-                    job,
-                    request_id=request_id,
-                    pending=pending,
-                    owners=owners,
-                    move=move,
-                    started=started,
-                )
-            except BaseException as exc:  # handed on to the reply
-                if move:
-                    self.moves_failed_total += 1
-                if isinstance(exc, asyncio.CancelledError):
-                    outcome.cancel()
-                else:
-                    if not isinstance(exc, SidecarError):
-                        log.error("request %d failed", request_id, exc_info=exc)
-                    # Handed on without its traceback: its frames would keep the job (and its
-                    # views of a released worker's memory) alive until a garbage collection.
-                    outcome.set_exception(exc.with_traceback(None))
-            else:
-                outcome.set_result(reply)
-            if track is not None:
-                track(outcome)
-
-        # Claim the blocks now, synchronously, so that arrival order is application order.
-        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes)
-        self._jobs[pending] = job.workers
-        pending.add_done_callback(finish)
-        return outcome
-
-    def _job_reply(
-        self,
-        job: Job,
-        *,
-        request_id: int,
-        pending: asyncio.Future[int],
-        owners: dict[WorkerRef, Worker | None],
-        move: bool,
-        started: float,
-    ) -> Reply:
-        """Build the reply of a finished job, or raise its failure."""
-        if pending.cancelled():
-            if self.draining:  # cancelled by shutdown
-                raise asyncio.CancelledError
-            # by `_release`
-            raise SidecarError("worker_lost", "a worker of this move was released while it waited")
-        nbytes = pending.result()
-        lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
-        if lost:
-            raise SidecarError(
-                "worker_lost",
-                f"{', '.join(r.label() for r in lost)} was released during the move; "
-                "its outcome is unknown",
-            )
-        seconds = time.perf_counter() - started
-        if not move:
-            return Fixed(id=request_id, blocks=job.blocks)
-        self.moves_total += 1
-        self.bytes_moved_total += nbytes
-        check = job.verification
-        if check is not None and check.invalid_block_ids:
-            self.integrity_failures_total += 1
-            log.warning(
-                "move %d: checksum mismatch on destination blocks %s",
-                request_id,
-                check.invalid_block_ids[:16],
-            )
-        return Moved(
-            id=request_id,
-            blocks=job.blocks,
-            nbytes=nbytes,
-            seconds=seconds,
-            fixed=job.fixed,
-            verified=check is not None and check.verified,
-            invalid_block_ids=[] if check is None else check.invalid_block_ids,
-        )
-
-    def _status(self, req: Status) -> StatusReply:
-        now = time.monotonic()
-        executor = self._executor
-
-        def in_flight(ref: WorkerRef) -> int:
-            if executor is None:
-                return 0
-            return executor.in_flight_for(ref)
-
-        pool = self._pool
-        return StatusReply(
-            id=req.id,
-            daemon_version=__version__,
-            protocol_version=PROTOCOL_VERSION,
-            uptime_s=now - self._started_at,
-            endpoint=self.config.endpoint,
-            engines=self.registry.engine_infos(now, in_flight),
-            host_pool_bytes=0 if pool is None else pool.capacity_bytes,
-            host_pool_used_bytes=0 if pool is None else pool.used_bytes,
-            in_flight_moves=0 if executor is None else executor.in_flight,
-            moves_total=self.moves_total,
-            moves_failed_total=self.moves_failed_total,
-            bytes_moved_total=self.bytes_moved_total,
-            errors_total=self.errors_total,
-            draining=self.draining,
-            metrics_port=self.observability.port,
-        )
-
-    # ------------------------------------------------------------------ registration
-
-    async def _register(self, req: Register) -> Reply:
-        ref = req.worker
-        _check_identity(req)
-        if ref in self.registry.workers:
-            raise SidecarError("already_registered", f"{ref.label()} is already registered")
-        engine = self._engine_for(req)
-        buffers, conn_id = await self._map_layers(req)
-        layers: dict[str, LayerBuffer] = {}
-        device: BufferSet | None = None
-        host: BufferSet | None = None
-        try:
-            for spec, mapped in zip(req.layers, buffers, strict=True):
-                layers[spec.name] = LayerBuffer.map(spec.name, spec.descriptor, mapped)
-            device = BufferSet((ref, "device"), layers)
-            if engine.host_blocks > 0:
-                host = self._mirror(ref, req, engine.host_blocks)
-            # Checked again: another register of the same worker may have finished meanwhile.
-            if ref in self.registry.workers:
-                raise SidecarError("already_registered", f"{ref.label()} is already registered")
-            existing = self.registry.engines.get(ref.engine_id)
-            if existing is not None and existing is not engine:
-                self._check_engine_matches(existing, req)
-                engine = existing
-        except BaseException:
-            for mapped in buffers:
-                mapped.close()
-            if host is not None:
-                host.close()
-            raise
-        worker = Worker(
-            ref=ref,
-            tp_size=req.tp_size,
-            pp_size=req.pp_size,
-            dcp_size=req.dcp_size,
-            device=device,
-            host=host,
-            lease_deadline=time.monotonic() + self.config.lease_s,
-            fd_connection=conn_id,
-            epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
-        )
-        self.registry.add(engine, worker)
-        # completions + metrics: reports carry this registration's epoch; engine series at 0
-        epoch = self.completions.worker_registered(
-            ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
-        )
-        self.observability.engine_added(ref.engine_id)
-        log.info(
-            "registered %s: %d layers, %d bytes, %d host blocks",
-            ref.label(),
-            len(layers),
-            device.nbytes,
-            engine.host_blocks,
-        )
-        return Registered(
-            id=req.id,
-            worker=ref,
-            num_layers=len(layers),
-            nbytes=device.nbytes,
-            host_blocks=engine.host_blocks if host is not None else 0,
-            lease_s=self.config.lease_s,
-            epoch=epoch,
-        )
-
-    def _engine_for(self, req: Register) -> Engine:
-        existing = self.registry.engines.get(req.worker.engine_id)
-        if existing is not None:
-            self._check_engine_matches(existing, req)
-            return existing
-        if req.host_blocks < 0:
-            raise SidecarError("invalid_message", "host_blocks must be >= 0")
-        return Engine(
-            engine_id=req.worker.engine_id,
-            model_hash=req.model_hash,
-            tp_size=req.tp_size,
-            pp_size=req.pp_size,
-            dcp_size=req.dcp_size,
-            host_blocks=req.host_blocks,
-            allocator=BlockIdAllocator(req.host_blocks) if req.host_blocks > 0 else None,
-        )
-
-    @staticmethod
-    def _check_engine_matches(engine: Engine, req: Register) -> None:
-        mine = (engine.model_hash, engine.tp_size, engine.pp_size, engine.dcp_size)
-        theirs = (req.model_hash, req.tp_size, req.pp_size, req.dcp_size)
-        if mine != theirs:
-            raise SidecarError(
-                "incompatible_engine",
-                f"engine {engine.engine_id!r} is registered with (model_hash, tp, pp, dcp) = "
-                f"{mine}, this worker says {theirs}",
-            )
-        if req.host_blocks not in (0, engine.host_blocks):
-            raise SidecarError(
-                "incompatible_engine",
-                f"engine {engine.engine_id!r} has {engine.host_blocks} host blocks, "
-                f"this worker asks for {req.host_blocks}",
-            )
-
-    async def _map_layers(self, req: Register) -> tuple[list[MappedBuffer], Hashable | None]:
-        """Map every layer's memory; all or nothing. Returns the buffers and the fd connection."""
-        shm = [(i, s.handle) for i, s in enumerate(req.layers) if isinstance(s.handle, ShmRef)]
-        out: list[MappedBuffer | None] = [None] * len(req.layers)
-        conn_id: Hashable | None = None
-        try:
-            if shm:
-                assert self._fd_server is not None
-                if not req.fd_token:
-                    raise SidecarError("handle_error", "shm layers need an fd_token")
-                try:
-                    conn, fds = await self._fd_server.take(req.fd_token, self.config.fd_wait_s)
-                except (TimeoutError, asyncio.TimeoutError):
-                    raise SidecarError(
-                        "handle_error",
-                        f"no fds arrived on {self.config.fd_socket} for this registration",
-                    ) from None
-                except HandleError as exc:
-                    raise SidecarError("handle_error", str(exc)) from None
-                conn_id = conn.id
-                handles = [
-                    ShmHandle(h.fd_index, h.storage_nbytes, h.offset, h.nbytes)
-                    for _, h in shm
-                    if isinstance(h, ShmRef)
-                ]
-                try:
-                    mapped = open_shm_all(fds, handles)  # takes ownership of the fds
-                except HandleError as exc:
-                    raise SidecarError("handle_error", str(exc)) from None
-                for (i, _), buf in zip(shm, mapped, strict=True):
-                    out[i] = buf
-            for i, spec in enumerate(req.layers):
-                if isinstance(spec.handle, CudaIpcRef):
-                    out[i] = _open_cuda(spec.handle)
-        except BaseException:
-            for opened in out:
-                if opened is not None:
-                    opened.close()
-            raise
-        return [b for b in out if b is not None], conn_id
-
-    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
-        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
-        if self._pool is None:
-            raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
-        descs: list[tuple[str, BufferDescriptor, int]] = []
-        for spec in req.layers:
-            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
-            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
-        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
-        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
-        try:
-            extent = self._pool.reserve(sum(pitches))
-        except HandleError as exc:
-            raise SidecarError("pool_exhausted", str(exc)) from None
-        layers = {}
-        offset = 0
-        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
-            buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
-            layers[name] = LayerBuffer.map(name, desc, buf)
-            offset += pitch
-        return BufferSet((ref, "host"), layers, on_close=extent.close)
-
-    async def _unregister(self, req: Unregister) -> Reply:
-        await self._release(req.worker, "unregistered")
-        return Ok(id=req.id)
-
-    async def _release(self, ref: WorkerRef, why: str) -> None:
-        """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
-        worker = self.registry.remove(ref)
-        if worker is None:
-            return
-        # completions + metrics: what waited for this worker completes (receiving: failed)
-        self.completions.worker_departed(ref, why)
-        if ref.engine_id not in self.registry.engines:
-            self.observability.engine_departed(ref.engine_id)
-        # reliability + security: its queued copies fail now (worker_lost; running ones finish
-        # on their thread and fail at the end), its connection binding and grants go.
-        for fut, refs in list(self._jobs.items()):
-            if ref in refs:
-                fut.cancel()
-        self.access.unbind(ref)
-        if ref.engine_id not in self.registry.engines:
-            self.access.drop_engine(ref.engine_id)
-        if self._executor is not None:
-            keys: set[Hashable] = {worker.device.key}
-            if worker.host is not None:
-                keys.add(worker.host.key)
-            closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-            def close() -> None:
-                # Run by the executor as the last copy on this worker ends: the mappings go in
-                # the same callback that takes the copy out of the in-flight count.
-                worker.close()
-                if not closed.done():
-                    closed.set_result(None)
-
-            self._executor.when_idle(keys, close)
-            try:
-                await asyncio.wait_for(asyncio.shield(closed), self.config.drain_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning(
-                    "%s: copies still running at release; views keep them safe", ref.label()
-                )
-        worker.close()  # idempotent
-        log.info("released %s (%s)", ref.label(), why)
-
-    def _on_fd_close(self, conn: FdConnection) -> None:
-        """Release the workers of an fd connection whose process exited (or closed it)."""
-        for ref, worker in list(self.registry.workers.items()):
-            if worker.fd_connection == conn.id:
-                self._spawn(self._release(ref, f"fd channel closed (pid {conn.cred.pid})"))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _lease_loop(self) -> None:
-        period = min(1.0, self.config.lease_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for ref, worker in list(self.registry.workers.items()):
-                if worker.lease_deadline < now:
-                    self.observability.lease_expired(ref.engine_id)
-                    self._spawn(self._release(ref, "lease expired"))
 
     # ------------------------------------------------------------------ metrics and completions
 
@@ -1108,49 +646,6 @@ def _reply_of(outcome: asyncio.Future[Reply], request_id: int) -> Reply:
     if isinstance(exc, SidecarError):
         return Error(id=request_id, code=exc.code, message=exc.message)
     return Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
-
-
-def _check_version(version: int) -> None:
-    if version != PROTOCOL_VERSION:
-        raise SidecarError(
-            "version_mismatch",
-            f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
-        )
-
-
-def _check_identity(req: Register) -> None:
-    ref = req.worker
-    for rank, size, name in (
-        (ref.tp_rank, req.tp_size, "tp"),
-        (ref.pp_rank, req.pp_size, "pp"),
-        (ref.dcp_rank, req.dcp_size, "dcp"),
-    ):
-        if size < 1 or not 0 <= rank < size:
-            raise SidecarError("invalid_message", f"{name}_rank {rank} with {name}_size {size}")
-    if not ref.engine_id:
-        raise SidecarError("invalid_message", "engine_id must not be empty")
-    if not req.layers:
-        raise SidecarError("invalid_message", "a registration needs at least one layer")
-    names = [s.name for s in req.layers]
-    if len(set(names)) != len(names):
-        raise SidecarError("invalid_message", "layer names must be unique")
-    for spec in req.layers:
-        try:
-            layout.buffer_nbytes(spec.descriptor)
-        except layout.LayoutError as exc:
-            raise SidecarError("incompatible_buffers", f"layer {spec.name!r}: {exc}") from None
-    first = req.layers[0].descriptor.num_blocks
-    if any(s.descriptor.num_blocks != first for s in req.layers):
-        raise SidecarError("incompatible_buffers", "every layer must have the same num_blocks")
-
-
-def _open_cuda(ref: CudaIpcRef) -> MappedBuffer:
-    """Open a CUDA IPC handle (``handle_error`` where CUDA is missing or the handle is bad)."""
-    handle = CudaIpcHandle(**msgspec.structs.asdict(ref))
-    try:
-        return open_cuda_ipc(handle)
-    except HandleError as exc:
-        raise SidecarError("handle_error", str(exc)) from None
 
 
 def _private_dir(path: Path) -> None:

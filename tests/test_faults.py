@@ -159,7 +159,7 @@ def test_worker_sigkill_mid_move() -> None:
             assert status.host_pool_used_bytes == 0
         grown = rss_mib(d.proc.pid) - baseline
         assert grown < 64, f"daemon RSS grew by {grown:.0f} MiB"
-    assert shm_entries() == shm_before
+    assert not shm_entries() - shm_before, "segments left in /dev/shm"
 
 
 def test_daemon_sigkill_mid_move_and_restart() -> None:
@@ -231,7 +231,7 @@ def test_daemon_sigkill_mid_move_and_restart() -> None:
         import shutil
 
         shutil.rmtree(config.runtime_dir, ignore_errors=True)
-    assert shm_entries() == shm_before
+    assert not shm_entries() - shm_before, "segments left in /dev/shm"
 
 
 def test_client_that_stops_reading() -> None:

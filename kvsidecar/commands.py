@@ -1,0 +1,269 @@
+"""Commands on registered memory: moves, layout fixes, host blocks, status.
+
+``move`` and ``fix_layout`` are checked here (`kvsidecar.jobs`) and run on the `CopyExecutor`;
+`Commands._run_job` hands back a future of the reply, completed by callbacks rather than a task.
+``host_alloc`` / ``host_free`` hand out an engine's host-pool block ids; ``status`` reports.
+
+A mixin of `kvsidecar.daemon.Daemon`, which owns the state declared below and sets it in
+``__init__`` / ``startup``; ``_dispatch`` there calls these handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from kvsidecar import __version__
+from kvsidecar.admission import Admission  # reliability
+from kvsidecar.completions import CompletionService
+from kvsidecar.config import Config
+from kvsidecar.errors import SidecarError
+from kvsidecar.executor import CopyExecutor
+from kvsidecar.framing import IdArray, decode_ids, encode_ids
+from kvsidecar.jobs import Job, prepare_move
+from kvsidecar.memory.base import HandleError
+from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.metrics import LayoutFixKind
+from kvsidecar.observability import Observability, move_fix_kind, move_kind
+from kvsidecar.protocol import (
+    PROTOCOL_VERSION,
+    Fixed,
+    HostAlloc,
+    HostAllocated,
+    HostFree,
+    Move,
+    Moved,
+    Ok,
+    Reply,
+    Status,
+    StatusReply,
+    WorkerRef,
+)
+from kvsidecar.registry import Registry, Worker
+
+log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
+
+
+class Commands:
+    """Handlers of the copy, host-block and status commands (a `Daemon` mixin)."""
+
+    # Owned and set by `Daemon`.
+    config: Config
+    registry: Registry
+    completions: CompletionService
+    observability: Observability
+    admission: Admission
+    draining: bool
+    moves_total: int
+    moves_failed_total: int
+    bytes_moved_total: int
+    errors_total: int
+    integrity_failures_total: int
+    _executor: CopyExecutor | None
+    _pool: HostPool | None
+    _started_at: float
+    _jobs: dict[asyncio.Future[Any], frozenset[Hashable]]
+
+    def _ids(self, frame: memoryview, dtype: Any, what: str) -> IdArray:
+        return decode_ids(frame, dtype, max_ids=self.config.max_ids_per_command, what=what)
+
+    def _host_alloc(self, req: HostAlloc) -> tuple[Reply, tuple[Any, ...]]:
+        engine = self.registry.engine(req.engine_id)
+        if req.count < 0:
+            raise SidecarError("invalid_message", f"count {req.count} < 0")
+        if req.count > self.config.max_ids_per_command:
+            raise SidecarError("too_large", f"{req.count} ids is more than one command may carry")
+        if engine.allocator is None:
+            raise SidecarError("pool_exhausted", f"engine {req.engine_id!r} has no host blocks")
+        try:
+            ids = engine.allocator.alloc(req.count)
+        except HandleError as exc:
+            raise SidecarError("pool_exhausted", str(exc)) from None
+        arr = encode_ids(ids, req.ids_dtype)
+        return HostAllocated(id=req.id, count=len(ids), ids_dtype=req.ids_dtype), (arr,)
+
+    def _host_free(self, req: HostFree, frame: memoryview) -> Ok:
+        engine = self.registry.engine(req.engine_id)
+        ids = self._ids(frame, req.ids_dtype, "host block")
+        if engine.allocator is None:
+            raise SidecarError("not_allocated", f"engine {req.engine_id!r} has no host blocks")
+        try:
+            engine.allocator.free(ids.tolist())
+        except HandleError as exc:
+            raise SidecarError("not_allocated", str(exc)) from None
+        return Ok(id=req.id)
+
+    def _move(self, req: Move, data: list[memoryview]) -> asyncio.Future[Reply]:
+        src_ids = self._ids(data[0], req.ids_dtype, "source")
+        dst_ids = self._ids(data[1], req.ids_dtype, "destination")
+        checksum = self.config.checksum if req.checksum is None else req.checksum
+        job = prepare_move(self.registry, req, src_ids, dst_ids, checksum=checksum)
+        # Classified now: by the time the move ends its workers may have left the registry.
+        fix = move_fix_kind(self.registry, req) if job.fixed else None
+        invalid = dst_ids.tolist() if req.request_ids else []
+        return self._run_job(
+            job, req.id, move=True, track=lambda reply: self._track_move(req, fix, invalid, reply)
+        )
+
+    def _track_move(
+        self,
+        req: Move,
+        fix: LayoutFixKind | None,
+        dst_ids: list[int],
+        outcome: asyncio.Future[Reply],
+    ) -> None:
+        """Metrics and completions of one move: counted by kind, its request ids credited."""
+        kind = move_kind(req.src, req.dst)
+        failure = None if outcome.cancelled() else outcome.exception()
+        if outcome.cancelled() or failure is not None:
+            if failure is None:
+                code = "shutting_down"
+            else:
+                code = failure.code if isinstance(failure, SidecarError) else "internal"
+            self.observability.move_failed(kind, code)
+            self.completions.move_finished(
+                req.src, req.dst, req.request_ids, ok=False, dst_ids=dst_ids
+            )
+            return
+        reply = outcome.result()
+        if isinstance(reply, Moved):
+            self.observability.move_done(
+                kind, req.dst.worker.engine_id, reply.nbytes, reply.seconds
+            )
+            self.observability.layout_fixed(fix)
+        self.completions.move_finished(req.src, req.dst, req.request_ids, ok=True)
+
+    def _run_job(
+        self,
+        job: Job,
+        request_id: int,
+        *,
+        move: bool,
+        track: Callable[[asyncio.Future[Reply]], None] | None = None,
+    ) -> asyncio.Future[Reply]:
+        """Submit a checked job; the returned future holds its reply (`Moved` / `Fixed`).
+
+        Completion is a chain of callbacks, not a task: on a 1-block move, a task's extra loop
+        iterations cost as much as the copy. ``track`` sees the outcome before the reply is sent.
+        """
+        assert self._executor is not None
+        # reliability: bounded queue (busy beyond it); the workers as they are now, so that a
+        # release (or re-registration) while the job waits or runs fails it instead of
+        # reporting bytes that may have gone to, or come from, memory nobody owns any more.
+        refs = [w for w in job.workers if isinstance(w, WorkerRef)]
+        ticket = self.admission.admit(refs)
+        owners = {ref: self.registry.workers.get(ref) for ref in refs}
+        started = time.perf_counter()
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+
+        def finish(pending: asyncio.Future[int]) -> None:
+            self._jobs.pop(pending, None)
+            self.admission.release(ticket)
+            try:
+                reply = self._job_reply(
+                    job,
+                    request_id=request_id,
+                    pending=pending,
+                    owners=owners,
+                    move=move,
+                    started=started,
+                )
+            except BaseException as exc:  # handed on to the reply
+                if move:
+                    self.moves_failed_total += 1
+                if isinstance(exc, asyncio.CancelledError):
+                    outcome.cancel()
+                else:
+                    if not isinstance(exc, SidecarError):
+                        log.error("request %d failed", request_id, exc_info=exc)
+                    # Handed on without its traceback: its frames would keep the job (and its
+                    # views of a released worker's memory) alive until a garbage collection.
+                    outcome.set_exception(exc.with_traceback(None))
+            else:
+                outcome.set_result(reply)
+            if track is not None:
+                track(outcome)
+
+        # Claim the blocks now, synchronously, so that arrival order is application order.
+        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes)
+        self._jobs[pending] = job.workers
+        pending.add_done_callback(finish)
+        return outcome
+
+    def _job_reply(
+        self,
+        job: Job,
+        *,
+        request_id: int,
+        pending: asyncio.Future[int],
+        owners: dict[WorkerRef, Worker | None],
+        move: bool,
+        started: float,
+    ) -> Reply:
+        """Build the reply of a finished job, or raise its failure."""
+        if pending.cancelled():
+            if self.draining:  # cancelled by shutdown
+                raise asyncio.CancelledError
+            # by `_release`
+            raise SidecarError("worker_lost", "a worker of this move was released while it waited")
+        nbytes = pending.result()
+        lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
+        if lost:
+            raise SidecarError(
+                "worker_lost",
+                f"{', '.join(r.label() for r in lost)} was released during the move; "
+                "its outcome is unknown",
+            )
+        seconds = time.perf_counter() - started
+        if not move:
+            return Fixed(id=request_id, blocks=job.blocks)
+        self.moves_total += 1
+        self.bytes_moved_total += nbytes
+        check = job.verification
+        if check is not None and check.invalid_block_ids:
+            self.integrity_failures_total += 1
+            log.warning(
+                "move %d: checksum mismatch on destination blocks %s",
+                request_id,
+                check.invalid_block_ids[:16],
+            )
+        return Moved(
+            id=request_id,
+            blocks=job.blocks,
+            nbytes=nbytes,
+            seconds=seconds,
+            fixed=job.fixed,
+            verified=check is not None and check.verified,
+            invalid_block_ids=[] if check is None else check.invalid_block_ids,
+        )
+
+    def _status(self, req: Status) -> StatusReply:
+        now = time.monotonic()
+        executor = self._executor
+
+        def in_flight(ref: WorkerRef) -> int:
+            if executor is None:
+                return 0
+            return executor.in_flight_for(ref)
+
+        pool = self._pool
+        return StatusReply(
+            id=req.id,
+            daemon_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            uptime_s=now - self._started_at,
+            endpoint=self.config.endpoint,
+            engines=self.registry.engine_infos(now, in_flight),
+            host_pool_bytes=0 if pool is None else pool.capacity_bytes,
+            host_pool_used_bytes=0 if pool is None else pool.used_bytes,
+            in_flight_moves=0 if executor is None else executor.in_flight,
+            moves_total=self.moves_total,
+            moves_failed_total=self.moves_failed_total,
+            bytes_moved_total=self.bytes_moved_total,
+            errors_total=self.errors_total,
+            draining=self.draining,
+            metrics_port=self.observability.port,
+        )

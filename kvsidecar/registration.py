@@ -1,0 +1,368 @@
+"""Registration: who may move what, and for how long.
+
+The command handlers that make and unmake workers: ``hello``, ``register`` (mapping a worker's
+layers, its host mirror), ``unregister``, ``heartbeat``, ``grant``; and the two ways a worker
+leaves without asking: its fd channel closes, or its lease runs out (`Registration._lease_loop`).
+`Registration._release` is the one way out for all of them.
+
+A mixin of `kvsidecar.daemon.Daemon`, which owns the state declared below and sets it in
+``__init__`` / ``startup``; ``_dispatch`` there calls these handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Coroutine, Hashable
+from typing import Any
+
+import msgspec
+
+from kvsidecar import __version__, layout
+from kvsidecar.access import AccessControl  # security
+from kvsidecar.completions import CompletionService
+from kvsidecar.config import Config
+from kvsidecar.errors import SidecarError
+from kvsidecar.executor import CopyExecutor
+from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
+from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
+from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
+from kvsidecar.memory.shm import ShmHandle, open_shm_all
+from kvsidecar.observability import Observability
+from kvsidecar.protocol import (
+    PROTOCOL_VERSION,
+    BufferDescriptor,
+    CudaIpcRef,
+    Grant,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    Ok,
+    Register,
+    Registered,
+    Reply,
+    ShmRef,
+    Unregister,
+    WorkerRef,
+)
+from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
+
+log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
+
+
+class Registration:
+    """Handlers of the registration commands and the release of workers (a `Daemon` mixin)."""
+
+    # Owned and set by `Daemon`.
+    config: Config
+    registry: Registry
+    completions: CompletionService
+    observability: Observability
+    access: AccessControl
+    _executor: CopyExecutor | None
+    _pool: HostPool | None
+    _fd_server: FdChannelServer | None
+    _tasks: set[asyncio.Task[Any]]
+    _jobs: dict[asyncio.Future[Any], frozenset[Hashable]]
+    _epochs: itertools.count[int]
+
+    def _hello(self, req: Hello) -> HelloReply:
+        cfg = self.config
+        return HelloReply(
+            id=req.id,
+            protocol_version=PROTOCOL_VERSION,
+            daemon_version=__version__,
+            fd_socket=cfg.fd_socket,
+            lease_s=cfg.lease_s,
+            max_message_bytes=cfg.max_message_bytes,
+            max_ids_per_command=cfg.max_ids_per_command,
+            metrics_port=self.observability.port,
+        )
+
+    def _heartbeat(self, req: Heartbeat) -> Ok:
+        deadline = time.monotonic() + self.config.lease_s
+        workers = [self.registry.worker(ref) for ref in req.workers]  # all known, or none renewed
+        for worker, epoch in zip(workers, req.epochs, strict=False):
+            check_epoch(worker, epoch)  # a restarted worker's old heartbeat renews nothing
+        for worker in workers:
+            worker.lease_deadline = deadline
+        return Ok(id=req.id)
+
+    def _grant(self, req: Grant) -> Ok:
+        """Let ``req.grantee`` use the owner's engine (read and/or write; see kvsidecar.access)."""
+        self.registry.worker(req.owner)
+        if not req.grantee:
+            raise SidecarError("invalid_message", "grantee must not be empty")
+        self.access.grant(req.owner.engine_id, req.grantee, read=req.read, write=req.write)
+        return Ok(id=req.id)
+
+    async def _register(self, req: Register) -> Reply:
+        ref = req.worker
+        _check_identity(req)
+        if ref in self.registry.workers:
+            raise SidecarError("already_registered", f"{ref.label()} is already registered")
+        engine = self._engine_for(req)
+        buffers, conn_id = await self._map_layers(req)
+        layers: dict[str, LayerBuffer] = {}
+        device: BufferSet | None = None
+        host: BufferSet | None = None
+        try:
+            for spec, mapped in zip(req.layers, buffers, strict=True):
+                layers[spec.name] = LayerBuffer.map(spec.name, spec.descriptor, mapped)
+            device = BufferSet((ref, "device"), layers)
+            if engine.host_blocks > 0:
+                host = self._mirror(ref, req, engine.host_blocks)
+            # Checked again: another register of the same worker may have finished meanwhile.
+            if ref in self.registry.workers:
+                raise SidecarError("already_registered", f"{ref.label()} is already registered")
+            existing = self.registry.engines.get(ref.engine_id)
+            if existing is not None and existing is not engine:
+                self._check_engine_matches(existing, req)
+                engine = existing
+        except BaseException:
+            for mapped in buffers:
+                mapped.close()
+            if host is not None:
+                host.close()
+            raise
+        worker = Worker(
+            ref=ref,
+            tp_size=req.tp_size,
+            pp_size=req.pp_size,
+            dcp_size=req.dcp_size,
+            device=device,
+            host=host,
+            lease_deadline=time.monotonic() + self.config.lease_s,
+            fd_connection=conn_id,
+            epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
+        )
+        self.registry.add(engine, worker)
+        # completions + metrics: reports carry this registration's epoch; engine series at 0
+        epoch = self.completions.worker_registered(
+            ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
+        )
+        self.observability.engine_added(ref.engine_id)
+        log.info(
+            "registered %s: %d layers, %d bytes, %d host blocks",
+            ref.label(),
+            len(layers),
+            device.nbytes,
+            engine.host_blocks,
+        )
+        return Registered(
+            id=req.id,
+            worker=ref,
+            num_layers=len(layers),
+            nbytes=device.nbytes,
+            host_blocks=engine.host_blocks if host is not None else 0,
+            lease_s=self.config.lease_s,
+            epoch=epoch,
+        )
+
+    def _engine_for(self, req: Register) -> Engine:
+        existing = self.registry.engines.get(req.worker.engine_id)
+        if existing is not None:
+            self._check_engine_matches(existing, req)
+            return existing
+        if req.host_blocks < 0:
+            raise SidecarError("invalid_message", "host_blocks must be >= 0")
+        return Engine(
+            engine_id=req.worker.engine_id,
+            model_hash=req.model_hash,
+            tp_size=req.tp_size,
+            pp_size=req.pp_size,
+            dcp_size=req.dcp_size,
+            host_blocks=req.host_blocks,
+            allocator=BlockIdAllocator(req.host_blocks) if req.host_blocks > 0 else None,
+        )
+
+    @staticmethod
+    def _check_engine_matches(engine: Engine, req: Register) -> None:
+        mine = (engine.model_hash, engine.tp_size, engine.pp_size, engine.dcp_size)
+        theirs = (req.model_hash, req.tp_size, req.pp_size, req.dcp_size)
+        if mine != theirs:
+            raise SidecarError(
+                "incompatible_engine",
+                f"engine {engine.engine_id!r} is registered with (model_hash, tp, pp, dcp) = "
+                f"{mine}, this worker says {theirs}",
+            )
+        if req.host_blocks not in (0, engine.host_blocks):
+            raise SidecarError(
+                "incompatible_engine",
+                f"engine {engine.engine_id!r} has {engine.host_blocks} host blocks, "
+                f"this worker asks for {req.host_blocks}",
+            )
+
+    async def _map_layers(self, req: Register) -> tuple[list[MappedBuffer], Hashable | None]:
+        """Map every layer's memory; all or nothing. Returns the buffers and the fd connection."""
+        shm = [(i, s.handle) for i, s in enumerate(req.layers) if isinstance(s.handle, ShmRef)]
+        out: list[MappedBuffer | None] = [None] * len(req.layers)
+        conn_id: Hashable | None = None
+        try:
+            if shm:
+                assert self._fd_server is not None
+                if not req.fd_token:
+                    raise SidecarError("handle_error", "shm layers need an fd_token")
+                try:
+                    conn, fds = await self._fd_server.take(req.fd_token, self.config.fd_wait_s)
+                except (TimeoutError, asyncio.TimeoutError):
+                    raise SidecarError(
+                        "handle_error",
+                        f"no fds arrived on {self.config.fd_socket} for this registration",
+                    ) from None
+                except HandleError as exc:
+                    raise SidecarError("handle_error", str(exc)) from None
+                conn_id = conn.id
+                handles = [
+                    ShmHandle(h.fd_index, h.storage_nbytes, h.offset, h.nbytes)
+                    for _, h in shm
+                    if isinstance(h, ShmRef)
+                ]
+                try:
+                    mapped = open_shm_all(fds, handles)  # takes ownership of the fds
+                except HandleError as exc:
+                    raise SidecarError("handle_error", str(exc)) from None
+                for (i, _), buf in zip(shm, mapped, strict=True):
+                    out[i] = buf
+            for i, spec in enumerate(req.layers):
+                if isinstance(spec.handle, CudaIpcRef):
+                    out[i] = _open_cuda(spec.handle)
+        except BaseException:
+            for opened in out:
+                if opened is not None:
+                    opened.close()
+            raise
+        return [b for b in out if b is not None], conn_id
+
+    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
+        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
+        if self._pool is None:
+            raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
+        descs: list[tuple[str, BufferDescriptor, int]] = []
+        for spec in req.layers:
+            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
+            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
+        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
+        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
+        try:
+            extent = self._pool.reserve(sum(pitches))
+        except HandleError as exc:
+            raise SidecarError("pool_exhausted", str(exc)) from None
+        layers = {}
+        offset = 0
+        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
+            buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
+            layers[name] = LayerBuffer.map(name, desc, buf)
+            offset += pitch
+        return BufferSet((ref, "host"), layers, on_close=extent.close)
+
+    async def _unregister(self, req: Unregister) -> Reply:
+        await self._release(req.worker, "unregistered")
+        return Ok(id=req.id)
+
+    async def _release(self, ref: WorkerRef, why: str) -> None:
+        """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
+        worker = self.registry.remove(ref)
+        if worker is None:
+            return
+        # completions + metrics: what waited for this worker completes (receiving: failed)
+        self.completions.worker_departed(ref, why)
+        if ref.engine_id not in self.registry.engines:
+            self.observability.engine_departed(ref.engine_id)
+        # reliability + security: its queued copies fail now (worker_lost; running ones finish
+        # on their thread and fail at the end), its connection binding and grants go.
+        for fut, refs in list(self._jobs.items()):
+            if ref in refs:
+                fut.cancel()
+        self.access.unbind(ref)
+        if ref.engine_id not in self.registry.engines:
+            self.access.drop_engine(ref.engine_id)
+        if self._executor is not None:
+            keys: set[Hashable] = {worker.device.key}
+            if worker.host is not None:
+                keys.add(worker.host.key)
+            closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def close() -> None:
+                # Run by the executor as the last copy on this worker ends: the mappings go in
+                # the same callback that takes the copy out of the in-flight count.
+                worker.close()
+                if not closed.done():
+                    closed.set_result(None)
+
+            self._executor.when_idle(keys, close)
+            try:
+                await asyncio.wait_for(asyncio.shield(closed), self.config.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "%s: copies still running at release; views keep them safe", ref.label()
+                )
+        worker.close()  # idempotent
+        log.info("released %s (%s)", ref.label(), why)
+
+    def _on_fd_close(self, conn: FdConnection) -> None:
+        """Release the workers of an fd connection whose process exited (or closed it)."""
+        for ref, worker in list(self.registry.workers.items()):
+            if worker.fd_connection == conn.id:
+                self._spawn(self._release(ref, f"fd channel closed (pid {conn.cred.pid})"))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _lease_loop(self) -> None:
+        period = min(1.0, self.config.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for ref, worker in list(self.registry.workers.items()):
+                if worker.lease_deadline < now:
+                    self.observability.lease_expired(ref.engine_id)
+                    self._spawn(self._release(ref, "lease expired"))
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise SidecarError(
+            "version_mismatch",
+            f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
+        )
+
+
+def _check_identity(req: Register) -> None:
+    ref = req.worker
+    for rank, size, name in (
+        (ref.tp_rank, req.tp_size, "tp"),
+        (ref.pp_rank, req.pp_size, "pp"),
+        (ref.dcp_rank, req.dcp_size, "dcp"),
+    ):
+        if size < 1 or not 0 <= rank < size:
+            raise SidecarError("invalid_message", f"{name}_rank {rank} with {name}_size {size}")
+    if not ref.engine_id:
+        raise SidecarError("invalid_message", "engine_id must not be empty")
+    if not req.layers:
+        raise SidecarError("invalid_message", "a registration needs at least one layer")
+    names = [s.name for s in req.layers]
+    if len(set(names)) != len(names):
+        raise SidecarError("invalid_message", "layer names must be unique")
+    for spec in req.layers:
+        try:
+            layout.buffer_nbytes(spec.descriptor)
+        except layout.LayoutError as exc:
+            raise SidecarError("incompatible_buffers", f"layer {spec.name!r}: {exc}") from None
+    first = req.layers[0].descriptor.num_blocks
+    if any(s.descriptor.num_blocks != first for s in req.layers):
+        raise SidecarError("incompatible_buffers", "every layer must have the same num_blocks")
+
+
+def _open_cuda(ref: CudaIpcRef) -> MappedBuffer:
+    """Open a CUDA IPC handle (``handle_error`` where CUDA is missing or the handle is bad)."""
+    handle = CudaIpcHandle(**msgspec.structs.asdict(ref))
+    try:
+        return open_cuda_ipc(handle)
+    except HandleError as exc:
+        raise SidecarError("handle_error", str(exc)) from None
