@@ -552,6 +552,12 @@ class Daemon(Registration, Commands):
 
     # ------------------------------------------------------------------ dispatch
 
+    def _peer_service(self) -> PeerService:
+        """Return the peer service; a typed error when a peer command comes before or after it."""
+        if self.peer is None:
+            raise SidecarError("shutting_down", "node-to-node transfer is not running")
+        return self.peer
+
     def _dispatch(
         self, req: Request, data: list[memoryview]
     ) -> tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]:
@@ -580,16 +586,14 @@ class Daemon(Registration, Commands):
                 return self._run_job(prepare_fix(self.registry, req, ids), req.id, move=False)
             # --- peer (kvsidecar.peer.service) ---
             case Pull():
-                assert self.peer is not None
                 remote = self._ids(data[0], req.ids_dtype, "remote block")
                 local = self._ids(data[1], req.ids_dtype, "local block")
-                return self.peer.pull(req, remote, local)
+                return self._peer_service().pull(req, remote, local)
             case Publish():
-                assert self.peer is not None
-                return self.peer.publish(req, self._ids(data[0], req.ids_dtype, "block")), ()
+                ids = self._ids(data[0], req.ids_dtype, "block")
+                return self._peer_service().publish(req, ids), ()
             case TakePeerEvents():
-                assert self.peer is not None
-                return self.peer.take_events(req), ()
+                return self._peer_service().take_events(req), ()
             # --- end peer ---
             # --- completions (kvsidecar/completions.py) ---
             case Report():

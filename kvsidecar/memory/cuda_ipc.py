@@ -3,8 +3,9 @@
 The worker calls torch's ``_share_cuda_()`` on the tensor's storage: that yields a CUDA IPC memory
 handle plus a slot in a shared reference counter. The daemon opens it with
 ``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing.reductions.rebuild_cuda_tensor``
-does, minus pickle). While the daemon's storage lives, the worker's torch keeps the memory
-allocated even if the worker frees its tensor; closing the daemon's buffer drops the count.
+does, without its multiprocessing reducer). While the daemon's storage lives, the worker's torch
+keeps the memory allocated even if the worker frees its tensor; closing the daemon's buffer drops
+the count.
 
 Every ``_share_cuda_()`` call takes one count, so each export must be opened (or released) exactly
 once: `export_cuda_tensors` shares each storage once, `open_cuda_ipc_all` opens each storage once
