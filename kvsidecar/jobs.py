@@ -14,7 +14,7 @@ packed remote blocks into the local block (the reference's ``kv_postprocess_blks
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 from kvsidecar import integrity, layout, mover
 from kvsidecar.errors import SidecarError
 from kvsidecar.framing import IdArray
-from kvsidecar.protocol import BufferDescriptor, FixLayout, Move
+from kvsidecar.protocol import BufferDescriptor, FixLayout, MemoryOrder, Move
 from kvsidecar.registry import BufferSet, LayerBuffer, Registry
 
 
@@ -147,6 +147,26 @@ def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
     return [v.view(v.shape[0] * ratio, v.shape[1] // ratio) for v in layer.block_views]
 
 
+def fix_layers(
+    targets: Sequence[tuple[LayerBuffer, MemoryOrder]], index: torch.Tensor, ratio: int
+) -> None:
+    """Run `layout.fix_received` on blocks ``index`` of each layer, written in its remote order.
+
+    The one place that turns a raw copy's destination blocks into the layers' own layout: local
+    moves, in-place fixes and node-to-node pulls all end here (on a copy thread).
+    """
+    for layer, remote_order in targets:
+        desc = layer.descriptor
+        layout.fix_received(
+            layer.cache,
+            index,
+            remote_layout=remote_order,
+            local_layout=desc.memory_order,
+            block_size_ratio=ratio,
+            arrangement=desc.arrangement,
+        )
+
+
 def prepare_move(
     registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArray, *, checksum: bool = False
 ) -> Job:
@@ -220,17 +240,7 @@ def prepare_move(
     def run() -> int:
         copied = copy()
         if fixes:
-            index = torch.from_numpy(dst_idx)
-            for target, remote_order in fixes:
-                desc = target.descriptor
-                layout.fix_received(
-                    target.cache,
-                    index,
-                    remote_layout=remote_order,
-                    local_layout=desc.memory_order,
-                    block_size_ratio=ratio,
-                    arrangement=desc.arrangement,
-                )
+            fix_layers(fixes, torch.from_numpy(dst_idx), ratio)
         return int(copied)
 
     return Job(
@@ -268,15 +278,7 @@ def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
     remote = cmd.remote.memory_order
 
     def run() -> int:
-        for lb in layers:
-            layout.fix_received(
-                lb.cache,
-                index,
-                remote_layout=remote,
-                local_layout=lb.descriptor.memory_order,
-                block_size_ratio=ratio,
-                arrangement=lb.descriptor.arrangement,
-            )
+        fix_layers([(lb, remote) for lb in layers], index, ratio)
         return 0
 
     return Job(

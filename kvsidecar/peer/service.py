@@ -38,7 +38,6 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar import layout
 from kvsidecar.auth import (  # security
     PEER_DOMAIN,
     Transport,
@@ -51,6 +50,7 @@ from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
 from kvsidecar.executor import CopyExecutor
 from kvsidecar.framing import IdArray
+from kvsidecar.jobs import fix_layers
 from kvsidecar.peer.handshake import IncompatiblePeer, check_compatible, describe_engine
 from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.messages import (
@@ -675,16 +675,7 @@ class PeerService:
             ratio = plan.block_size_ratio
 
             def run(targets: list[Any] = targets, ratio: int = ratio) -> int:
-                for lb, remote_order in targets:
-                    desc = lb.descriptor
-                    layout.fix_received(
-                        lb.cache,
-                        index,
-                        remote_layout=remote_order,
-                        local_layout=desc.memory_order,
-                        block_size_ratio=ratio,
-                        arrangement=desc.arrangement,
-                    )
+                fix_layers(targets, index, ratio)
                 return 0
 
             jobs.append(self.executor.submit(run, reads={}, writes={rank.buffers.key: lids}))
