@@ -25,12 +25,11 @@ import msgspec
 import torch
 import zmq
 
-from kvsidecar.aggregator import CompletionAggregator
 from kvsidecar.bench import aggregator_procs, procs
 from kvsidecar.bench.common import Figure, Options, Progress, note
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import Report, WorkerReport
+from kvsidecar.protocol import Report
 
 WORKERS = 8
 IDS = 16
@@ -131,20 +130,5 @@ def run(opts: Options) -> list[Figure]:
 
 def _in_process(steps: int) -> float:
     """Seconds for `CompletionAggregator.aggregate` of ``steps`` steps of 8 reports each."""
-    reports = [
-        [
-            WorkerReport(worker_id=f"w{w}", step=s, finished_recving=_names(s))
-            for w in range(WORKERS)
-        ]
-        for s in range(steps)
-    ]
-    agg = CompletionAggregator(WORKERS)
-    done = 0
-    start = time.perf_counter()
-    for batch in reports:
-        out = agg.aggregate(batch, 0)
-        done += len(out.finished_recving or ()) if out is not None else 0
-    seconds = time.perf_counter() - start
-    if done != steps * IDS:
-        raise RuntimeError(f"in process: {done} requests completed, expected {steps * IDS}")
-    return seconds
+    # One in-process workload for both entry points: aggregator_procs measures it as a rate.
+    return steps * IDS / aggregator_procs.bench_in_process(steps, IDS)
