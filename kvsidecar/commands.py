@@ -188,9 +188,8 @@ class Commands:
                 track(outcome)
 
         # Claim the blocks now, synchronously, so that arrival order is application order.
-        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes)
+        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes, on_done=finish)
         self._jobs[pending] = job.workers
-        pending.add_done_callback(finish)
         return outcome
 
     def _job_reply(

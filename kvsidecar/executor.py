@@ -13,12 +13,12 @@ Jobs on disjoint blocks run concurrently, up to the thread count.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,8 +33,12 @@ def _call_soon(
     loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
 ) -> None:
     """Schedule ``callback`` on ``loop`` from any thread; a closed loop (exit) drops it."""
-    with contextlib.suppress(RuntimeError):  # the loop closed under a running copy
+    # Not contextlib.suppress: this runs on every copy's way back, where a context manager's
+    # object and calls are a measurable part of a 1-block move.
+    try:  # noqa: SIM105
         loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop closed under a running copy
+        pass
 
 
 def _overlap(a: BlockSets, b: BlockSets) -> bool:
@@ -45,30 +49,56 @@ def _overlap(a: BlockSets, b: BlockSets) -> bool:
     return False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Job:
     reads: BlockSets
     writes: BlockSets
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
+    finished: bool = False
     then: list[Callable[[], None]] = field(default_factory=list)
     """Called on the loop once the job has finished (later jobs that wait for it)."""
 
 
+@dataclass(eq=False, slots=True)
+class _Work:
+    """A started job on its way to a copy thread and back."""
+
+    job: _Job
+    fn: Callable[[], Any]
+    result: asyncio.Future[Any]
+    on_done: Callable[[asyncio.Future[Any]], None] | None
+    loop: asyncio.AbstractEventLoop
+
+
 class CopyExecutor:
-    """Thread pool for copies, with per-block hazard ordering in arrival order.
+    """Copy threads, with per-block hazard ordering in arrival order.
 
     Call `submit` from the event loop. The order of `submit` calls is the order of application
     for conflicting jobs: the conflict check happens synchronously inside `submit`.
+
+    The threads are this class's own, fed from one `queue.SimpleQueue`, rather than a
+    `concurrent.futures.ThreadPoolExecutor`: on a 1-block move the pool's per-item future,
+    locks and callbacks cost more than the copy, on both sides of the hand-off (measured with
+    ``kvsidecar bench latency``, see docs/benchmarks.md).
     """
 
     def __init__(self, threads: int, *, name: str = "kvsidecar-copy") -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix=name
-        )
+        if threads < 1:
+            raise ValueError(f"copy threads must be >= 1, got {threads}")
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._closing = False
         self._active: list[_Job] = []
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self.busy_seconds = 0.0
-        """Seconds spent copying, summed over threads (for status and metrics)."""
+        """Seconds spent copying, summed over threads."""
+        # Daemon threads: after a drain timeout a copy still running is abandoned to process
+        # exit (`shutdown(wait=False)`) instead of holding the exit up.
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
 
     @property
     def in_flight(self) -> int:
@@ -84,7 +114,12 @@ class CopyExecutor:
         )
 
     def submit(
-        self, fn: Callable[[], T], *, reads: BlockSets, writes: BlockSets
+        self,
+        fn: Callable[[], T],
+        *,
+        reads: BlockSets,
+        writes: BlockSets,
+        on_done: Callable[[asyncio.Future[T]], None] | None = None,
     ) -> asyncio.Future[T]:
         """Run ``fn`` on a copy thread once every earlier conflicting job has finished.
 
@@ -92,8 +127,9 @@ class CopyExecutor:
         once started, the thread runs to the end and the job stays in flight until it does, so
         no later job overtakes it and no mapping is released under a running copy.
 
-        The hand-off is one ``call_soon_threadsafe`` back to the loop, with no task, wrapped
-        future or shield on the way (each costs a loop iteration on a short command).
+        ``on_done`` is called with the future as soon as it is settled, in the same loop
+        callback (a done-callback would wait one more loop iteration). The hand-off back is one
+        ``call_soon_threadsafe`` with no task, wrapped future or shield on the way.
         """
         loop = asyncio.get_running_loop()
         job = _Job(reads, writes)
@@ -104,8 +140,9 @@ class CopyExecutor:
         ]
         self._active.append(job)
         result: asyncio.Future[T] = loop.create_future()
+        work = _Work(job, fn, result, on_done, loop)
         if not before:
-            self._start(loop, job, fn, result)
+            self._start(work)
             return result
         waiting = len(before)
 
@@ -113,91 +150,88 @@ class CopyExecutor:
             nonlocal waiting
             waiting -= 1
             if waiting == 0:
-                self._start(loop, job, fn, result)
+                self._start(work)
 
         def cancelled(fut: asyncio.Future[T]) -> None:
             if fut.cancelled() and not job.started:  # dropped before it started: nobody waits
                 self._finish(job)
+                if on_done is not None:
+                    on_done(fut)
 
         for earlier in before:
             earlier.then.append(earlier_done)
         result.add_done_callback(cancelled)
         return result
 
-    def _start(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        job: _Job,
-        fn: Callable[[], T],
-        result: asyncio.Future[T],
-    ) -> None:
-        if result.done():  # cancelled while it waited: it never runs
-            self._finish(job)
+    def _start(self, work: _Work) -> None:
+        if work.result.done():  # cancelled while it waited: `cancelled` has finished it
             return
-        job.started = True  # from here on it stays in flight until its thread is done
+        work.job.started = True  # from here on it stays in flight until its thread is done
+        if self._closing:
+            self._settle(work, None, RuntimeError("the copy executor is shut down"))
+            return
+        self._queue.put(work)
 
-        def work() -> None:
-            start = time.perf_counter()
-            value: T | None = None
+    def _serve(self) -> None:
+        """Run work on this copy thread until the stop sentinel."""
+        get, perf = self._queue.get, time.perf_counter
+        while (work := get()) is not None:
+            if self._closing:  # queued when `shutdown` came: never runs
+                _call_soon(work.loop, self._drop, work)
+                continue
+            start = perf()
+            value: Any = None
             error: BaseException | None = None
             try:
-                value = fn()
+                value = work.fn()
             except BaseException as exc:  # handed to the awaiting side, like run_in_executor
                 error = exc
-            finally:
-                self.busy_seconds += time.perf_counter() - start
-            _call_soon(loop, self._settle, job, result, value, error)
-            del error  # no cycle through this frame: it holds ``fn`` (the job's views)
+            self.busy_seconds += perf() - start
+            _call_soon(work.loop, self._settle, work, value, error)
+            # No cycle through this frame: it holds ``fn`` (the job's views) until the next get.
+            del work, value, error
 
-        try:
-            handle = self._pool.submit(work)
-        except RuntimeError as exc:  # the pool is shut down
-            self._settle(job, result, None, exc)
-            return
+    def _settle(self, work: _Work, value: object, error: BaseException | None) -> None:
+        self._finish(work.job)
+        result = work.result
+        if not result.done():
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(value)
+        if work.on_done is not None:
+            work.on_done(result)
 
-        # Queued work dropped by `shutdown` never runs `work`: settle it as cancelled.
-        def dropped(h: concurrent.futures.Future[None]) -> None:
-            if h.cancelled():
-                _call_soon(loop, self._drop, job, result)
-
-        handle.add_done_callback(dropped)
-
-    def _settle(
-        self, job: _Job, result: asyncio.Future[T], value: T | None, error: BaseException | None
-    ) -> None:
-        self._finish(job)
-        if result.done():
-            return
-        if error is not None:
-            result.set_exception(error)
-        else:
-            result.set_result(value)  # type: ignore[arg-type]
-
-    def _drop(self, job: _Job, result: asyncio.Future[T]) -> None:
-        self._finish(job)
-        result.cancel()
+    def _drop(self, work: _Work) -> None:
+        self._finish(work.job)
+        work.result.cancel()
+        if work.on_done is not None:
+            work.on_done(work.result)
 
     def _finish(self, job: _Job) -> None:
-        if job.done.is_set():
+        if job.finished:
             return
-        if job in self._active:
-            self._active.remove(job)
-        job.done.set()
+        job.finished = True
+        self._active.remove(job)
         then, job.then = job.then, []
         for callback in then:
             callback()
+        if not self._active:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no job is in flight; False if ``timeout`` seconds passed first."""
-        deadline = time.monotonic() + timeout
-        while self._active:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._active[0].done.wait(), left)
-            except asyncio.TimeoutError:
-                return False
+        if not self._active:
+            return True
+        idle = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(idle)
+        try:
+            await asyncio.wait_for(idle, timeout)
+        except asyncio.TimeoutError:
+            return False
         return True
 
     def when_idle(self, keys: set[Hashable], callback: Callable[[], None]) -> None:
@@ -223,5 +257,13 @@ class CopyExecutor:
             job.then.append(one_done)
 
     def shutdown(self, *, wait: bool) -> None:
-        """Stop the threads; with ``wait=False`` a running copy is abandoned to process exit."""
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        """Stop the threads; queued jobs are dropped (cancelled), none starts from now on.
+
+        With ``wait=False`` a running copy is abandoned to process exit.
+        """
+        self._closing = True
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()

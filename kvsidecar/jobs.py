@@ -167,6 +167,57 @@ def fix_layers(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _PairPlan:
+    """What a move between two buffer sets needs besides its ids: checked once per pair.
+
+    Built from the layers' descriptors alone, so it holds for every move between the same two
+    registrations and the same layer list; `Registry.derived` keeps it until either changes.
+    """
+
+    names: list[str]
+    ratio: int
+    fixes: list[tuple[LayerBuffer, MemoryOrder]]
+    small: tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]] | None
+    """Both sides' CPU byte rows for `mover.copy_small` (ratio 1 on CPU only)."""
+    src_views: list[torch.Tensor]
+    dst_views: list[torch.Tensor]
+
+
+_MAX_PLANS = 256
+"""Cached pair plans; beyond it the cache starts over (layer subsets are the client's choice)."""
+
+
+def _pair_plan(
+    registry: Registry, src: BufferSet, dst: BufferSet, layers: list[str] | None
+) -> _PairPlan:
+    key = ("move", src, dst, None if layers is None else tuple(layers))
+    plan = registry.derived.get(key)
+    if isinstance(plan, _PairPlan):
+        return plan
+    names = _select_layers(layers, src, dst)
+    ratios = {_ratio(src.layers[n].descriptor, dst.layers[n].descriptor, n) for n in names}
+    if len(ratios) != 1:
+        raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
+    ratio = ratios.pop()
+    plan = _PairPlan(
+        names=names,
+        ratio=ratio,
+        fixes=[
+            (dst.layers[n], src.layers[n].descriptor.memory_order)
+            for n in names
+            if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
+        ],
+        small=_small_rows(src, dst, names) if ratio == 1 else None,
+        src_views=[v for n in names for v in src.layers[n].block_views],
+        dst_views=[v for n in names for v in _sub_views(dst.layers[n], ratio)],
+    )
+    if len(registry.derived) >= _MAX_PLANS:
+        registry.derived.clear()
+    registry.derived[key] = plan
+    return plan
+
+
 def prepare_move(
     registry: Registry, cmd: Move, src_ids: IdArray, dst_ids: IdArray, *, checksum: bool = False
 ) -> Job:
@@ -176,11 +227,8 @@ def prepare_move(
     """
     src = registry.buffer_set(cmd.src)
     dst = registry.buffer_set(cmd.dst)
-    names = _select_layers(cmd.layers, src, dst)
-    ratios = {_ratio(src.layers[n].descriptor, dst.layers[n].descriptor, n) for n in names}
-    if len(ratios) != 1:
-        raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
-    ratio = ratios.pop()
+    pair = _pair_plan(registry, src, dst, cmd.layers)
+    ratio = pair.ratio
     if src_ids.size != ratio * dst_ids.size:
         want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)
         raise SidecarError(
@@ -193,35 +241,26 @@ def prepare_move(
         raise SidecarError(
             "invalid_message", "source and destination blocks overlap in the same buffer set"
         )
-    src_idx = src_ids.astype(np.int64)
-    dst_idx = dst_ids.astype(np.int64)
-    sub_dst = (
-        dst_idx
-        if ratio == 1
-        else (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
-    )
-    fixes = [
-        (dst.layers[n], src.layers[n].descriptor.memory_order)
-        for n in names
-        if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
-    ]
+    fixes = pair.fixes
     verification = integrity.Verification() if checksum else None
+    copy: Callable[[], int]
     # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
-    small = (
-        _small_rows(src, dst, names)
-        if ratio == 1 and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS
-        else None
-    )
-    if small is not None:
-        small_src, small_dst = small
+    if pair.small is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
+        small_src, small_dst = pair.small
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
         def copy() -> int:
             return mover.copy_small(small_src, small_dst, runs)
 
     else:
-        src_views = [v for n in names for v in src.layers[n].block_views]
-        dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
+        src_idx = src_ids.astype(np.int64)
+        dst_idx = dst_ids.astype(np.int64)
+        sub_dst = (
+            dst_idx
+            if ratio == 1
+            else (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+        )
+        src_views, dst_views = pair.src_views, pair.dst_views
         plan = mover.plan_runs(src_idx, sub_dst)
 
         def copy() -> int:
@@ -240,7 +279,7 @@ def prepare_move(
     def run() -> int:
         copied = copy()
         if fixes:
-            fix_layers(fixes, torch.from_numpy(dst_idx), ratio)
+            fix_layers(fixes, torch.from_numpy(dst_ids.astype(np.int64)), ratio)
         return int(copied)
 
     return Job(

@@ -187,6 +187,10 @@ class Registry:
     def __init__(self) -> None:
         self.engines: dict[str, Engine] = {}
         self.workers: dict[WorkerRef, Worker] = {}
+        self.derived: dict[Hashable, object] = {}
+        """What commands compute from registered buffers and reuse (`kvsidecar.jobs` move
+        plans). Emptied on every `add` and `remove`, so nothing in it outlives a release or
+        refers to a replaced registration."""
 
     def engine(self, engine_id: str) -> Engine:
         """Return the engine, or raise ``unknown_engine``."""
@@ -211,6 +215,7 @@ class Registry:
 
     def add(self, engine: Engine, worker: Worker) -> None:
         """Record a worker (and its engine, if new)."""
+        self.derived.clear()
         self.engines.setdefault(engine.engine_id, engine)
         self.engines[engine.engine_id].workers[worker.ref] = worker
         self.workers[worker.ref] = worker
@@ -220,6 +225,7 @@ class Registry:
         worker = self.workers.pop(ref, None)
         if worker is None:
             return None
+        self.derived.clear()
         engine = self.engines.get(ref.engine_id)
         if engine is not None:
             engine.workers.pop(ref, None)
