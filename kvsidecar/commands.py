@@ -1,7 +1,7 @@
 """Commands on registered memory: moves, layout fixes, host blocks, status.
 
 ``move`` and ``fix_layout`` are checked here (`kvsidecar.jobs`) and run on the `CopyExecutor`;
-`Commands._run_job` hands back a future of the reply, completed by callbacks rather than a task.
+`Commands._run_job` answers them (from the copy thread on success) and hands back the outcome.
 ``host_alloc`` / ``host_free`` hand out an engine's host-pool block ids; ``status`` reports.
 
 A mixin of `kvsidecar.daemon.Daemon`, which owns the state declared below and sets it in
@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol
 
 from kvsidecar import __version__
 from kvsidecar.admission import Admission  # reliability
@@ -30,6 +30,7 @@ from kvsidecar.metrics import LayoutFixKind
 from kvsidecar.observability import Observability, move_fix_kind, move_kind
 from kvsidecar.protocol import (
     PROTOCOL_VERSION,
+    Error,
     Fixed,
     HostAlloc,
     HostAllocated,
@@ -96,7 +97,7 @@ class Commands:
             raise SidecarError("not_allocated", str(exc)) from None
         return Ok(id=req.id)
 
-    def _move(self, req: Move, data: list[memoryview]) -> asyncio.Future[Reply]:
+    def _move(self, req: Move, data: list[memoryview], respond: ReplySink) -> asyncio.Future[Reply]:
         src_ids = self._ids(data[0], req.ids_dtype, "source")
         dst_ids = self._ids(data[1], req.ids_dtype, "destination")
         checksum = self.config.checksum if req.checksum is None else req.checksum
@@ -105,7 +106,11 @@ class Commands:
         fix = move_fix_kind(self.registry, req) if job.fixed else None
         invalid = dst_ids.tolist() if req.request_ids else []
         return self._run_job(
-            job, req.id, move=True, track=lambda reply: self._track_move(req, fix, invalid, reply)
+            job,
+            req.id,
+            move=True,
+            respond=respond,
+            track=lambda reply: self._track_move(req, fix, invalid, reply),
         )
 
     def _track_move(
@@ -142,12 +147,18 @@ class Commands:
         request_id: int,
         *,
         move: bool,
+        respond: ReplySink,
         track: Callable[[asyncio.Future[Reply]], None] | None = None,
     ) -> asyncio.Future[Reply]:
-        """Submit a checked job; the returned future holds its reply (`Moved` / `Fixed`).
+        """Submit a checked job and answer it through ``respond``; returns its outcome.
 
-        Completion is a chain of callbacks, not a task: on a 1-block move, a task's extra loop
-        iterations cost as much as the copy. ``track`` sees the outcome before the reply is sent.
+        A job that succeeds is answered from its copy thread, right after the copy: waking the
+        event loop first would add a thread hand-off to every short move's round trip. The loop
+        still settles it (counts, ``track``: metrics and completions) before it handles any
+        later request (`CopyExecutor.settle_finished`). Every other outcome (failure, a worker
+        released meanwhile, shutdown) is answered from the loop. Completion is a chain of
+        callbacks, not a task: on a 1-block move a task's loop iterations cost as much as the
+        copy.
         """
         assert self._executor is not None
         # reliability: bounded queue (busy beyond it); the workers as they are now, so that a
@@ -159,18 +170,29 @@ class Commands:
         started = time.perf_counter()
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
+        def on_thread(nbytes: int) -> None:
+            try:
+                reply = self._success_reply(
+                    job, request_id, nbytes, owners=owners, move=move, started=started
+                )
+            except SidecarError:  # a worker left meanwhile: the loop answers worker_lost
+                return
+            respond.send(reply, from_thread=True)
+
         def finish(pending: asyncio.Future[int]) -> None:
             self._jobs.pop(pending, None)
             self.admission.release(ticket)
+            # What the copy thread told the client, whatever happened since; or None, and from
+            # here on the thread can no longer answer: this callback does.
+            sent = respond.claim()
             try:
-                reply = self._job_reply(
-                    job,
-                    request_id=request_id,
-                    pending=pending,
-                    owners=owners,
-                    move=move,
-                    started=started,
-                )
+                if sent is not None:
+                    reply = sent
+                else:
+                    nbytes = _copied(pending, self.draining)
+                    reply = self._success_reply(
+                        job, request_id, nbytes, owners=owners, move=move, started=started
+                    )
             except BaseException as exc:  # handed on to the reply
                 if move:
                     self.moves_failed_total += 1
@@ -183,32 +205,34 @@ class Commands:
                     # views of a released worker's memory) alive until a garbage collection.
                     outcome.set_exception(exc.with_traceback(None))
             else:
+                self._count(reply, request_id)
                 outcome.set_result(reply)
             if track is not None:
                 track(outcome)
+            if sent is None:
+                respond.deliver(reply_of(outcome, request_id))
 
         # Claim the blocks now, synchronously, so that arrival order is application order.
-        pending = self._executor.submit(job.run, reads=job.reads, writes=job.writes, on_done=finish)
+        pending = self._executor.submit(
+            job.run, reads=job.reads, writes=job.writes, on_done=finish, on_thread=on_thread
+        )
         self._jobs[pending] = job.workers
         return outcome
 
-    def _job_reply(
+    def _success_reply(
         self,
         job: Job,
-        *,
         request_id: int,
-        pending: asyncio.Future[int],
+        nbytes: int,
+        *,
         owners: dict[WorkerRef, Worker | None],
         move: bool,
         started: float,
     ) -> Reply:
-        """Build the reply of a finished job, or raise its failure."""
-        if pending.cancelled():
-            if self.draining:  # cancelled by shutdown
-                raise asyncio.CancelledError
-            # by `_release`
-            raise SidecarError("worker_lost", "a worker of this move was released while it waited")
-        nbytes = pending.result()
+        """Return the reply of a job that ran to the end; ``worker_lost`` if a worker left.
+
+        Called on the copy thread (and on the loop as a fallback): it only reads the registry.
+        """
         lost = [r for r, w in owners.items() if self.registry.workers.get(r) is not w]
         if lost:
             raise SidecarError(
@@ -216,28 +240,32 @@ class Commands:
                 f"{', '.join(r.label() for r in lost)} was released during the move; "
                 "its outcome is unknown",
             )
-        seconds = time.perf_counter() - started
         if not move:
             return Fixed(id=request_id, blocks=job.blocks)
-        self.moves_total += 1
-        self.bytes_moved_total += nbytes
         check = job.verification
-        if check is not None and check.invalid_block_ids:
-            self.integrity_failures_total += 1
-            log.warning(
-                "move %d: checksum mismatch on destination blocks %s",
-                request_id,
-                check.invalid_block_ids[:16],
-            )
         return Moved(
             id=request_id,
             blocks=job.blocks,
             nbytes=nbytes,
-            seconds=seconds,
+            seconds=time.perf_counter() - started,
             fixed=job.fixed,
             verified=check is not None and check.verified,
             invalid_block_ids=[] if check is None else check.invalid_block_ids,
         )
+
+    def _count(self, reply: Reply, request_id: int) -> None:
+        """Add a finished move to the daemon's totals (on the loop)."""
+        if not isinstance(reply, Moved):
+            return
+        self.moves_total += 1
+        self.bytes_moved_total += reply.nbytes
+        if reply.invalid_block_ids:
+            self.integrity_failures_total += 1
+            log.warning(
+                "move %d: checksum mismatch on destination blocks %s",
+                request_id,
+                reply.invalid_block_ids[:16],
+            )
 
     def _status(self, req: Status) -> StatusReply:
         now = time.monotonic()
@@ -266,3 +294,48 @@ class Commands:
             draining=self.draining,
             metrics_port=self.observability.port,
         )
+
+
+class ReplySink(Protocol):
+    """Where a request's one reply goes (`kvsidecar.daemon`): whoever claims it first sends.
+
+    `send` claims and sends in one step; `claim` then `deliver` let the loop claim first and
+    decide the reply afterwards, knowing that no copy thread can answer in between.
+    """
+
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it.
+
+        ``from_thread``: called on a copy thread rather than on the event loop.
+        """
+        ...
+
+    def claim(self) -> Reply | None:
+        """Claim the reply for the caller (None; then `deliver` it) or return what was sent."""
+        ...
+
+    def deliver(self, reply: Reply) -> None:
+        """Send the reply that `claim` reserved (on the event loop)."""
+        ...
+
+
+def _copied(pending: asyncio.Future[int], draining: bool) -> int:
+    """Bytes a finished job copied; raises its failure (or cancellation) instead."""
+    if pending.cancelled():
+        if draining:  # cancelled by shutdown
+            raise asyncio.CancelledError
+        # by `_release`
+        raise SidecarError("worker_lost", "a worker of this move was released while it waited")
+    return pending.result()
+
+
+def reply_of(outcome: asyncio.Future[Reply], request_id: int) -> Reply:
+    """Return a finished request's reply: its result, or its failure as an `Error`."""
+    if outcome.cancelled():
+        return Error(id=request_id, code="shutting_down", message="cancelled by shutdown")
+    exc = outcome.exception()
+    if exc is None:
+        return outcome.result()
+    if isinstance(exc, SidecarError):
+        return Error(id=request_id, code=exc.code, message=exc.message)
+    return Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")

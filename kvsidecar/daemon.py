@@ -8,9 +8,12 @@ The event loop only does I/O and bookkeeping: requests are decoded and checked h
 run on the `CopyExecutor`. Requests that finish without waiting (status, heartbeat, host
 alloc/free, every validation error) are answered inline, in arrival order. Moves and fixes are
 checked inline and their blocks claimed on the executor at once, so moves on the same blocks
-apply in arrival order; their replies go out from the executor's completion callback (no task:
-on a 1-block move a task's loop iterations cost as much as the copy). The rest (register,
-unregister, pulls) become tasks.
+apply in arrival order. A move that succeeds is answered from the copy thread that ran it (the
+socket is shared under a lock): waking the loop first would add a thread hand-off to every
+short move. The loop settles it (counts, metrics, completions) before it reads any later request,
+and answers every other outcome from the executor's completion callback (no task: on a 1-block
+move a task's loop iterations cost as much as the copy). The rest (register, unregister, pulls)
+become tasks.
 
 The handlers live with their owners: `kvsidecar.registration` (hello, register, unregister,
 heartbeat, grant; leases and the release of workers) and `kvsidecar.commands` (moves, fixes,
@@ -29,6 +32,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from collections.abc import Coroutine, Hashable
 from pathlib import Path
@@ -42,7 +46,7 @@ from kvsidecar import __version__
 from kvsidecar.access import AccessControl, Principal  # security
 from kvsidecar.admission import Admission  # reliability
 from kvsidecar.auth import CONTROL_DOMAIN, ZapHandler, control_transport, secure_server_socket
-from kvsidecar.commands import Commands
+from kvsidecar.commands import Commands, reply_of
 from kvsidecar.completions import CompletionService
 from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
@@ -92,6 +96,54 @@ _BURST = 64
 """Requests served per reader callback before yielding to the loop."""
 
 
+class _Reply:
+    """Where one request's reply goes: sent once, from the loop or from a copy thread.
+
+    A `kvsidecar.commands.ReplySink`. A copy thread and the loop may both try to answer (a
+    move that finished just as its worker was released); a lock decides who does, and what
+    was sent stays readable so that the loop's bookkeeping matches what the client got.
+    """
+
+    __slots__ = ("_claimed", "_command", "_daemon", "_ident", "_lock", "_sent", "_started")
+
+    def __init__(self, daemon: Daemon, ident: bytes, command: str, started: float) -> None:
+        self._daemon, self._ident, self._command, self._started = daemon, ident, command, started
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._sent: Reply | None = None
+
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            self._sent = reply
+        self._deliver(reply, from_thread)
+        return True
+
+    def claim(self) -> Reply | None:
+        """Claim the reply for the caller (None; then `deliver` it) or return what was sent."""
+        with self._lock:
+            if self._claimed:
+                return self._sent
+            self._claimed = True
+            return None
+
+    def deliver(self, reply: Reply) -> None:
+        """Send the reply that `claim` reserved (on the event loop)."""
+        self._deliver(reply, False)
+
+    def _deliver(self, reply: Reply, from_thread: bool) -> None:
+        self._daemon._send(
+            self._ident,
+            reply,
+            command=self._command,
+            started=self._started,
+            from_thread=from_thread,
+        )
+
+
 class Daemon(Registration, Commands):
     """One kvsidecar daemon. ``await startup()``; ``await shutdown()``; or `run` / `serve`.
 
@@ -109,6 +161,9 @@ class Daemon(Registration, Commands):
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.Socket[Any] | None = None
         """The control ROUTER: a plain socket read from a loop reader (see `_recv_loop`)."""
+        self._sock_lock = threading.Lock()
+        """Held around every use of ``_sock``: copy threads send replies on it too (`_Reply`)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._fd_server: FdChannelServer | None = None
         self._pool: HostPool | None = None
         self._executor: CopyExecutor | None = None
@@ -234,6 +289,7 @@ class Daemon(Registration, Commands):
         self.insecure_transport = self.insecure_transport or peer_plain
         self.observability.metrics.set_insecure_transport(self.insecure_transport)
         self._started_at = time.monotonic()
+        self._loop = asyncio.get_running_loop()
         self._background = [
             asyncio.create_task(self._recv_loop(), name="kvsidecar-recv"),
             asyncio.create_task(self._lease_loop(), name="kvsidecar-leases"),
@@ -288,9 +344,10 @@ class Daemon(Registration, Commands):
         if self._fd_server is not None:
             await self._fd_server.close()
             self._fd_server = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        with self._sock_lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
         if self.zap is not None:
             await self.zap.close()
             self.zap = None
@@ -336,26 +393,29 @@ class Daemon(Registration, Commands):
         # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
         # left to read (and `_send` re-checks after each send, which may swallow the edge). A
         # burst is served in slices so that other callbacks (copy completions) run in between.
-        sock = self._sock
+        lock = self._sock_lock
         for _ in range(_BURST):
-            if sock is None:
-                return
-            try:
-                # Asking first is cheaper than the exception of a receive that finds nothing,
-                # and re-arms the fd the same way.
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            with lock:
+                sock = self._sock
+                if sock is None:
                     return
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:  # closing during shutdown
-                log.debug("control socket: %s", exc)
-                return
+                try:
+                    # Asking first is cheaper than the exception of a receive that finds
+                    # nothing, and re-arms the fd the same way.
+                    if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        return
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as exc:  # closing during shutdown
+                    log.debug("control socket: %s", exc)
+                    return
+            if self._executor is not None:  # moves answered from copy threads are settled first
+                self._executor.settle_finished()
             try:
                 self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
-            sock = self._sock
         asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _send(
@@ -366,24 +426,35 @@ class Daemon(Registration, Commands):
         *,
         command: str = "",
         started: float = 0.0,
+        from_thread: bool = False,
     ) -> None:
+        """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
         if command:  # metrics: every answered command, by type and result, with its latency
             self.observability.command(command, reply, started)
-        if self._sock is None:
-            return
         if isinstance(reply, Error):
             self.errors_total += 1
-        sock = self._sock
-        try:
-            # A ROUTER never blocks on send (it drops for a gone or saturated peer).
-            sock.send_multipart(
-                [ident, self._encoder.encode(reply), *data], zmq.NOBLOCK, copy=False
-            )
-            # The send may have taken the fd's edge: requests waiting now would go unnoticed.
-            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
+        header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
+        with self._sock_lock:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                # A ROUTER never blocks on send (it drops for a gone or saturated peer). Small
+                # frames are copied: a zero-copy frame object costs more than copying them.
+                sock.send_multipart([ident, header, *data], zmq.NOBLOCK, copy=not data)
+                # The send may have taken the fd's edge: requests waiting now would go unnoticed.
+                pending = int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+            except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
+                log.debug("reply %s not sent: %s", type(reply).__name__, exc)
+                return
+        if pending:
+            loop = self._loop
+            if not from_thread:
                 asyncio.get_running_loop().call_soon(self._on_readable)
-        except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
-            log.debug("reply %s not sent: %s", type(reply).__name__, exc)
+            elif loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed at exit
+                    loop.call_soon_threadsafe(self._on_readable)
 
     def _on_message(self, frames: _Frames) -> None:
         ident = frames[0].bytes
@@ -418,7 +489,8 @@ class Daemon(Registration, Commands):
             if self.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
             self._authorize(request, ident, body[0])  # security: forbidden before anything
-            result = self._dispatch(request, [f.buffer for f in body[1:]])
+            reply_to = _Reply(self, ident, command, started)
+            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to)
             if isinstance(request, Register) and asyncio.iscoroutine(result):
                 result = self._bind_on_success(ident, body[0], result)
         except SidecarError as exc:
@@ -434,12 +506,15 @@ class Daemon(Registration, Commands):
             reply, data = result
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
+            self._replies.add(result)
+            if isinstance(request, Move | FixLayout):  # answered by `Commands._run_job`
+                result.add_done_callback(self._replies.discard)
+                return
 
             def answer(outcome: asyncio.Future[Reply]) -> None:
                 self._replies.discard(outcome)
-                self._send(ident, _reply_of(outcome, request_id), command=command, started=started)
+                reply_to.send(reply_of(outcome, request_id))
 
-            self._replies.add(result)
             result.add_done_callback(answer)
         else:
             task = asyncio.create_task(
@@ -559,11 +634,12 @@ class Daemon(Registration, Commands):
         return self.peer
 
     def _dispatch(
-        self, req: Request, data: list[memoryview]
+        self, req: Request, data: list[memoryview], reply_to: _Reply
     ) -> tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]:
         """Answer a request inline (a reply and its data frames), or return what answers later.
 
-        That is a coroutine (run as a task), or for copy jobs the future of the reply.
+        That is a coroutine (run as a task), the future of a peer pull's reply, or for copy
+        jobs their outcome (the job answers through ``reply_to`` itself).
         """
         match req:
             case Hello():
@@ -578,12 +654,13 @@ class Daemon(Registration, Commands):
             case HostFree():
                 return self._host_free(req, data[0]), ()
             case Move():
-                return self._move(req, data)
+                return self._move(req, data, reply_to)
             case Grant():  # security
                 return self._grant(req), ()
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
-                return self._run_job(prepare_fix(self.registry, req, ids), req.id, move=False)
+                job = prepare_fix(self.registry, req, ids)
+                return self._run_job(job, req.id, move=False, respond=reply_to)
             # --- peer (kvsidecar.peer.service) ---
             case Pull():
                 remote = self._ids(data[0], req.ids_dtype, "remote block")
@@ -638,18 +715,6 @@ class Daemon(Registration, Commands):
         self.completions.on_peer_event(event)
         if self.peer is not None:
             self.peer.completions.append(event)
-
-
-def _reply_of(outcome: asyncio.Future[Reply], request_id: int) -> Reply:
-    """Return a finished job's reply: its result, or its failure as an `Error`."""
-    if outcome.cancelled():
-        return Error(id=request_id, code="shutting_down", message="cancelled by shutdown")
-    exc = outcome.exception()
-    if exc is None:
-        return outcome.result()
-    if isinstance(exc, SidecarError):
-        return Error(id=request_id, code=exc.code, message=exc.message)
-    return Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
 
 
 def _private_dir(path: Path) -> None:

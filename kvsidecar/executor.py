@@ -13,6 +13,8 @@ Jobs on disjoint blocks run concurrently, up to the thread count.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import queue
 import threading
 import time
@@ -24,6 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvsidecar.executor")
 
 BlockSets = Mapping[Hashable, npt.NDArray[np.signedinteger]]
 """Blocks a job touches: buffer-set key -> block ids (each id a whole destination block)."""
@@ -67,6 +71,7 @@ class _Work:
     fn: Callable[[], Any]
     result: asyncio.Future[Any]
     on_done: Callable[[asyncio.Future[Any]], None] | None
+    on_thread: Callable[[Any], None] | None
     loop: asyncio.AbstractEventLoop
 
 
@@ -88,6 +93,10 @@ class CopyExecutor:
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._closing = False
         self._active: list[_Job] = []
+        self._finished: collections.deque[tuple[_Work, object, BaseException | None]] = (
+            collections.deque()
+        )
+        """Work the threads have finished and the loop has not settled yet (`settle_finished`)."""
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.busy_seconds = 0.0
         """Seconds spent copying, summed over threads."""
@@ -120,6 +129,7 @@ class CopyExecutor:
         reads: BlockSets,
         writes: BlockSets,
         on_done: Callable[[asyncio.Future[T]], None] | None = None,
+        on_thread: Callable[[T], None] | None = None,
     ) -> asyncio.Future[T]:
         """Run ``fn`` on a copy thread once every earlier conflicting job has finished.
 
@@ -130,6 +140,10 @@ class CopyExecutor:
         ``on_done`` is called with the future as soon as it is settled, in the same loop
         callback (a done-callback would wait one more loop iteration). The hand-off back is one
         ``call_soon_threadsafe`` with no task, wrapped future or shield on the way.
+
+        ``on_thread`` is called on the copy thread with ``fn``'s result when it succeeded, after
+        the job is queued for settling and before the loop is woken: the daemon answers a
+        plain successful move from there (see `settle_finished` for the ordering this keeps).
         """
         loop = asyncio.get_running_loop()
         job = _Job(reads, writes)
@@ -140,7 +154,7 @@ class CopyExecutor:
         ]
         self._active.append(job)
         result: asyncio.Future[T] = loop.create_future()
-        work = _Work(job, fn, result, on_done, loop)
+        work = _Work(job, fn, result, on_done, on_thread, loop)
         if not before:
             self._start(work)
             return result
@@ -187,9 +201,27 @@ class CopyExecutor:
             except BaseException as exc:  # handed to the awaiting side, like run_in_executor
                 error = exc
             self.busy_seconds += perf() - start
-            _call_soon(work.loop, self._settle, work, value, error)
+            self._finished.append((work, value, error))
+            if error is None and work.on_thread is not None:
+                try:
+                    work.on_thread(value)
+                except Exception:  # a bug in the hook must not stop this thread
+                    log.exception("copy-thread completion hook failed")
+            _call_soon(work.loop, self.settle_finished)
             # No cycle through this frame: it holds ``fn`` (the job's views) until the next get.
             del work, value, error
+
+    def settle_finished(self) -> None:
+        """Settle, on the loop, every job the threads have finished so far.
+
+        Each finished job wakes the loop to call this, and the daemon also calls it before it
+        handles a request: a reply sent from a copy thread (`submit`'s ``on_thread``) can reach
+        its client, and the client's next request the daemon, before that wake-up has run, and
+        the next request must find the move settled (counted, credited, blocks released).
+        """
+        finished = self._finished  # the threads only append, the loop alone pops
+        while finished:
+            self._settle(*finished.popleft())
 
     def _settle(self, work: _Work, value: object, error: BaseException | None) -> None:
         self._finish(work.job)
