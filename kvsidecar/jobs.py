@@ -80,25 +80,6 @@ def _overlap(a: IdArray, b: IdArray) -> bool:
     return bool(np.intersect1d(a, b).size)
 
 
-def _small_rows(
-    src: BufferSet, dst: BufferSet, names: list[str]
-) -> tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]] | None:
-    """Both sides' CPU byte rows for `mover.copy_small`, or None where that path does not apply."""
-    src_rows: list[npt.NDArray[np.uint8]] = []
-    dst_rows: list[npt.NDArray[np.uint8]] = []
-    for n in names:
-        s_rows = src.layers[n].cpu_rows()
-        d_rows = dst.layers[n].cpu_rows()
-        if s_rows is None or d_rows is None or len(s_rows) != len(d_rows):
-            return None
-        for s_arr, d_arr in zip(s_rows, d_rows, strict=True):
-            if s_arr.shape[1] != d_arr.shape[1]:
-                return None
-        src_rows += s_rows
-        dst_rows += d_rows
-    return src_rows, dst_rows
-
-
 def _select_layers(
     names: list[str] | None, first: BufferSet, second: BufferSet | None
 ) -> list[str]:
@@ -178,8 +159,8 @@ class _PairPlan:
     names: list[str]
     ratio: int
     fixes: list[tuple[LayerBuffer, MemoryOrder]]
-    small: tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]] | None
-    """Both sides' CPU byte rows for `mover.copy_small` (ratio 1 on CPU only)."""
+    small: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
+    """`mover.small_groups` of the two sides, for moves of a few blocks (ratio 1, CPU only)."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
 
@@ -200,6 +181,8 @@ def _pair_plan(
     if len(ratios) != 1:
         raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
     ratio = ratios.pop()
+    src_views = [v for n in names for v in src.layers[n].block_views]
+    dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
     plan = _PairPlan(
         names=names,
         ratio=ratio,
@@ -208,9 +191,9 @@ def _pair_plan(
             for n in names
             if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
         ],
-        small=_small_rows(src, dst, names) if ratio == 1 else None,
-        src_views=[v for n in names for v in src.layers[n].block_views],
-        dst_views=[v for n in names for v in _sub_views(dst.layers[n], ratio)],
+        small=mover.small_groups(src_views, dst_views) if ratio == 1 else None,
+        src_views=src_views,
+        dst_views=dst_views,
     )
     if len(registry.derived) >= _MAX_PLANS:
         registry.derived.clear()
@@ -246,11 +229,11 @@ def prepare_move(
     copy: Callable[[], int]
     # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
     if pair.small is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
-        small_src, small_dst = pair.small
+        groups = pair.small
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
         def copy() -> int:
-            return mover.copy_small(small_src, small_dst, runs)
+            return mover.copy_small(groups, runs)
 
     else:
         src_idx = src_ids.astype(np.int64)

@@ -47,6 +47,7 @@ __all__ = [
     "default_copy_threads",
     "plan_runs",
     "plan_small",
+    "small_groups",
     "validate_move",
 ]
 
@@ -258,23 +259,58 @@ def plan_small(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
+def small_groups(
+    src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor]
+) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None:
+    """Pair CPU views up as numpy byte rows for `copy_small`, stacked like `copy_runs` stacks.
+
+    Layers of one region become one 3-D ``(layers, num_blocks, row_bytes)`` array per side, so a
+    run is one copy across all of them; other views stay 2-D. Built once per pair of buffer sets
+    (`kvsidecar.jobs` caches it): the stacking checks cost tens of µs per view. None when a view
+    is not on the CPU or a pair disagrees in dtype or block size (`copy_runs` reports that).
+    """
+    if len(src_views) != len(dst_views):
+        return None
+    src_rows: list[torch.Tensor] = []
+    dst_rows: list[torch.Tensor] = []
+    for k, (s_view, d_view) in enumerate(zip(src_views, dst_views, strict=True)):
+        if s_view.device.type != "cpu" or d_view.device.type != "cpu":
+            return None
+        try:
+            s_rows = _byte_rows(s_view, f"source view {k}")
+            d_rows = _byte_rows(d_view, f"destination view {k}")
+        except MoveError:
+            return None
+        if s_view.dtype != d_view.dtype or s_rows.shape[1] != d_rows.shape[1]:
+            return None
+        if s_rows.shape[1]:
+            src_rows.append(s_rows)
+            dst_rows.append(d_rows)
+    return [(s.tensor.numpy(), d.tensor.numpy()) for s, d in _group_views(src_rows, dst_rows)]
+
+
 def copy_small(
-    src_rows: Sequence[npt.NDArray[np.uint8]],
-    dst_rows: Sequence[npt.NDArray[np.uint8]],
+    groups: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
     runs: Sequence[tuple[int, int, int]],
 ) -> int:
-    """Copy a few runs between CPU byte-row arrays ``(num_blocks, row_bytes)``, one per view.
+    """Copy a few runs between `small_groups` arrays (2-D rows or 3-D stacks of layers).
 
-    The fast path for small moves: no per-call view building or layer stacking, whose fixed
-    cost (tens of µs per view) dwarfs copying a few blocks. The caller has checked everything
-    `copy_runs` checks (pairs agree in row size, the runs fit). Returns the bytes copied.
+    The fast path for small moves: no per-call view building or stacking, whose fixed cost
+    dwarfs copying a few blocks. The caller has checked everything `copy_runs` checks (the runs
+    fit both sides). Returns the bytes copied.
     """
     copyto = np.copyto
     total = 0
-    for src, dst in zip(src_rows, dst_rows, strict=True):
-        for s, d, n in runs:
-            copyto(dst[d : d + n], src[s : s + n])
-        total += src.shape[1] * sum(n for _, _, n in runs)
+    blocks = sum(n for _, _, n in runs)
+    for src, dst in groups:
+        if src.ndim == 2:
+            for s, d, n in runs:
+                copyto(dst[d : d + n], src[s : s + n])
+            total += src.shape[1] * blocks
+        else:
+            for s, d, n in runs:
+                copyto(dst[:, d : d + n], src[:, s : s + n])
+            total += src.shape[0] * src.shape[2] * blocks
     return total
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvsidecar import layout
@@ -45,21 +43,6 @@ class LayerBuffer:
     mapped: MappedBuffer
     cache: torch.Tensor
     block_views: list[torch.Tensor]
-    _rows: list[npt.NDArray[np.uint8]] | None = field(default=None, repr=False)
-
-    def cpu_rows(self) -> list[npt.NDArray[np.uint8]] | None:
-        """`block_views` as numpy arrays over the same memory (built once), for small moves.
-
-        None when a view is not a CPU uint8 ``(num_blocks, row)`` tensor (CUDA memory).
-        """
-        if self._rows is None:
-            views = self.block_views
-            if not views or not all(
-                v.device.type == "cpu" and v.dtype == torch.uint8 and v.dim() == 2 for v in views
-            ):
-                return None
-            self._rows = [v.numpy() for v in views]
-        return self._rows
 
     @classmethod
     def map(cls, name: str, descriptor: BufferDescriptor, mapped: MappedBuffer) -> LayerBuffer:
@@ -83,7 +66,6 @@ class LayerBuffer:
     def close(self) -> None:
         """Drop the views, then the mapping."""
         self.block_views = []
-        self._rows = None
         self.cache = torch.empty(0)
         self.mapped.close()
 

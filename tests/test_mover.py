@@ -579,15 +579,43 @@ def test_plan_small_matches_plan_runs(pairs: list[tuple[int, int]]) -> None:
     assert mover.plan_small(src, dst) == expected
 
 
-def test_copy_small_copies_the_same_bytes_as_copy_runs() -> None:
-    gen = torch.Generator().manual_seed(0)
-    src = [torch.randint(0, 255, (16, 64), dtype=torch.uint8, generator=gen) for _ in range(3)]
-    want = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(3)]
-    got = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(3)]
-    src_ids, dst_ids = [3, 4, 5, 9, 0], [7, 8, 1, 2, 15]
-    copied = mover.copy_runs(src, want, mover.plan_runs(src_ids, dst_ids))
-    small = mover.copy_small(
-        [s.numpy() for s in src], [g.numpy() for g in got], mover.plan_small(src_ids, dst_ids)
-    )
-    assert small == copied == 3 * 5 * 64
+def _views(kind: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """Three layers' block views (16 blocks of 64 bytes) laid out as ``kind``."""
+    if kind == "separate":  # one tensor per layer: nothing stacks
+        return [torch.randint(0, 255, (16, 64), dtype=torch.uint8, generator=gen) for _ in range(3)]
+    if kind == "one region":  # layers one after another in one storage: one 3-D stack
+        region = torch.randint(0, 255, (3, 16, 64), dtype=torch.uint8, generator=gen)
+        return list(region.unbind(0))
+    # blocks-first K/V: both halves of a block lie inside one block stride (interleaved)
+    region = torch.randint(0, 255, (16, 3, 64), dtype=torch.uint8, generator=gen)
+    return [region[:, k] for k in range(3)]
+
+
+@pytest.mark.parametrize("kind", ["separate", "one region", "interleaved"])
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"), [([3, 4, 5, 9, 0], [7, 8, 1, 2, 15]), ([0], [15]), ([6, 7], [6, 7])]
+)
+def test_copy_small_matches_a_block_by_block_reference(
+    kind: str, src_ids: list[int], dst_ids: list[int]
+) -> None:
+    gen = torch.Generator().manual_seed(len(kind) + len(src_ids))
+    src = _views(kind, gen)
+    got = _views(kind, gen)
+    want = [v.clone() for v in got]
+    for s_view, w_view in zip(src, want, strict=True):  # the reference: one block at a time
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            w_view[d] = s_view[s]
+    groups = mover.small_groups(src, got)
+    assert groups is not None
+    if kind == "one region":
+        assert len(groups) == 1 and groups[0][0].ndim == 3  # stacked: one copy per run
+    copied = mover.copy_small(groups, mover.plan_small(src_ids, dst_ids))
+    assert copied == 3 * len(src_ids) * 64
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_small_groups_declines_what_copy_runs_would_refuse() -> None:
+    a = torch.zeros(16, 64, dtype=torch.uint8)
+    assert mover.small_groups([a], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+    assert mover.small_groups([a], [a, a]) is None
+    assert mover.small_groups([a[:, ::2]], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
