@@ -23,7 +23,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar import layout
+from kvsidecar import layout, zmqio
 from kvsidecar._client_common import Ids, R, T, _Base, _Call, _check
 from kvsidecar.auth import KeyPair
 from kvsidecar.errors import SidecarError
@@ -131,9 +131,9 @@ class AsyncSidecarClient(_Base):
             if sock is None:
                 return
             try:
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if not zmqio.readable(sock):
                     return
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = zmqio.recv_frames(sock)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us
@@ -159,7 +159,7 @@ class AsyncSidecarClient(_Base):
             try:
                 # Copied when small: a zero-copy frame object costs more than copying a header.
                 copy = len(frames) == 1 or sum(memoryview(f).nbytes for f in frames) < _COPY_BELOW
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                zmqio.send_frames(sock, frames, copy=copy)
                 break
             except zmq.Again:  # high-water mark reached: the daemon is not reading
                 if time.monotonic() + delay >= deadline:
@@ -167,7 +167,7 @@ class AsyncSidecarClient(_Base):
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
         # The send may have taken the fd's edge: a reply waiting now would go unnoticed.
-        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if zmqio.readable(sock):
             asyncio.get_running_loop().call_soon(self._on_readable)
 
     async def _call(
@@ -201,6 +201,10 @@ class AsyncSidecarClient(_Base):
         finally:
             timer.cancel()
             self._pending.pop(req.id, None)
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # seen: a timeout that fired while the send waited is not news
         return _check(reply, expected), frames
 
     async def _run(self, call: _Call[R, T]) -> T:

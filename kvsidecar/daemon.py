@@ -42,7 +42,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvsidecar import __version__
+from kvsidecar import __version__, zmqio
 from kvsidecar.access import AccessControl, Principal  # security
 from kvsidecar.admission import Admission  # reliability
 from kvsidecar.auth import CONTROL_DOMAIN, ZapHandler, control_transport, secure_server_socket
@@ -402,9 +402,9 @@ class Daemon(Registration, Commands):
                 try:
                     # Asking first is cheaper than the exception of a receive that finds
                     # nothing, and re-arms the fd the same way.
-                    if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    if not zmqio.readable(sock):
                         return
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = zmqio.recv_frames(sock)
                 except zmq.Again:
                     return
                 except zmq.ZMQError as exc:  # closing during shutdown
@@ -442,9 +442,9 @@ class Daemon(Registration, Commands):
             try:
                 # A ROUTER never blocks on send (it drops for a gone or saturated peer). Small
                 # frames are copied: a zero-copy frame object costs more than copying them.
-                sock.send_multipart([ident, header, *data], zmq.NOBLOCK, copy=not data)
+                zmqio.send_frames(sock, [ident, header, *data], copy=not data)
                 # The send may have taken the fd's edge: requests waiting now would go unnoticed.
-                pending = int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+                pending = zmqio.readable(sock)
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
                 return
