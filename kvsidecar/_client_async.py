@@ -128,16 +128,8 @@ class AsyncSidecarClient(_Base):
         # it), in slices so that a flood of replies does not hold the loop.
         for _ in range(_BURST):
             sock = self._sock
-            if sock is None:
-                return
-            try:
-                if not zmqio.readable(sock):
-                    return
-                frames = zmqio.recv_frames(sock)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:  # closed under us
-                log.debug("client socket: %s", exc)
+            frames = None if sock is None else zmqio.try_recv(sock)
+            if frames is None:
                 return
             try:
                 reply, data = self._codec.decode(frames)

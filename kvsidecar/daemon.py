@@ -397,19 +397,9 @@ class Daemon(Registration, Commands):
         for _ in range(_BURST):
             with lock:
                 sock = self._sock
-                if sock is None:
-                    return
-                try:
-                    # Asking first is cheaper than the exception of a receive that finds
-                    # nothing, and re-arms the fd the same way.
-                    if not zmqio.readable(sock):
-                        return
-                    frames = zmqio.recv_frames(sock)
-                except zmq.Again:
-                    return
-                except zmq.ZMQError as exc:  # closing during shutdown
-                    log.debug("control socket: %s", exc)
-                    return
+                frames = None if sock is None else zmqio.try_recv(sock)
+            if frames is None:
+                return
             if self._executor is not None:  # moves answered from copy threads are settled first
                 self._executor.settle_finished()
             try:

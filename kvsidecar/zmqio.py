@@ -9,10 +9,13 @@ same with plain integers and each received frame's own ``more`` flag.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
+
+log = logging.getLogger("kvsidecar.zmqio")
 
 EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
@@ -34,6 +37,23 @@ def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
         frame = sock.recv(NOBLOCK, copy=False)
         frames.append(frame)
     return frames
+
+
+def try_recv(sock: zmq.Socket[Any]) -> list[zmq.Frame] | None:
+    """Return the next whole message, or None when none waits (or the socket is closing).
+
+    Asking ``readable`` first is cheaper than the exception of a receive that finds nothing, and
+    re-arms the edge-triggered fd the same way; a reader callback calls this until None.
+    """
+    try:
+        if not readable(sock):
+            return None
+        return recv_frames(sock)
+    except zmq.Again:
+        return None
+    except zmq.ZMQError as exc:  # closed under the reader (shutdown, reconnect)
+        log.debug("socket not read: %s", exc)
+        return None
 
 
 def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool) -> None:

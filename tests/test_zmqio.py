@@ -60,6 +60,30 @@ def test_nothing_waiting_raises_again(pair: tuple[zmq.Socket[bytes], zmq.Socket[
     assert not zmqio.readable(router)
     with pytest.raises(zmq.Again):
         zmqio.recv_frames(router)
+    assert zmqio.try_recv(router) is None
+
+
+def test_try_recv_takes_whole_messages_then_none_also_once_closed(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind(f"ipc://{tmp_path}/t.sock")
+        dealer.connect(f"ipc://{tmp_path}/t.sock")
+        for i in range(3):
+            zmqio.send_frames(dealer, [b"m%d" % i, b"x"], copy=True)
+        got: list[list[bytes]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            frames = zmqio.try_recv(router)
+            if frames is not None:
+                got.append([f.bytes for f in frames[1:]])
+        assert got == [[b"m0", b"x"], [b"m1", b"x"], [b"m2", b"x"]]
+        router.close(0)
+        assert zmqio.try_recv(router) is None  # a closed socket reads as nothing waiting
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
 
 
 def test_full_queue_raises_again_instead_of_blocking(tmp_path: Path) -> None:
