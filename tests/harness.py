@@ -132,13 +132,20 @@ def daemon_process(config: Config | None = None) -> Iterator[DaemonProcess]:
         shutil.rmtree(config.runtime_dir, ignore_errors=True)
 
 
-class WorkerProcess:
-    """A ``tests.helpers.kv_worker`` child: registers KV caches, dumps them on request."""
+class LineChild:
+    """A ``tests.helpers.<module>`` child process, driven by text lines on stdin and stdout.
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    The one place that starts such helpers and stops them: asked to exit with `exit_line`,
+    killed if it does not within the timeout, its pipes always closed.
+    """
+
+    exit_line = "exit"
+
+    def __init__(self, module: str, spec: dict[str, Any], *, name: str = "") -> None:
         self.spec = spec
+        self.name = name or module
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.kv_worker", json.dumps(spec)],
+            [sys.executable, "-m", f"tests.helpers.{module}", json.dumps(spec)],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdin=subprocess.PIPE,
@@ -146,44 +153,68 @@ class WorkerProcess:
             text=True,
         )
 
-    def _line(self, timeout: float) -> str:
+    def line(self, timeout: float = 30.0) -> str:
+        """The child's next output line (stripped); TimeoutError if it stays silent."""
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
-            raise TimeoutError(f"worker {self.spec['engine']} silent for {timeout} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited with {self.proc.wait(5)}")
-        return line.strip()
+            raise TimeoutError(f"{self.name} silent for {timeout} s")
+        out = self.proc.stdout.readline()
+        if not out:
+            raise RuntimeError(f"{self.name} exited with {self.proc.wait(5)}")
+        return out.strip()
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        # Generous: ten processes importing torch at once on two busy cores take a while.
-        assert self._line(timeout) == "ready"
-
-    def dump(self, directory: Path, timeout: float = 30.0) -> list[np.ndarray]:
-        """Each layer's logical (2, B, N, H, C) values as they are now."""
-        directory.mkdir(parents=True, exist_ok=True)
+    def send_line(self, text: str) -> None:
+        """Write one command line to the child."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"dump {directory}\n")
+        self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
-        assert self._line(timeout) == "ok"
-        return [np.load(directory / f"layer{i}.npy") for i in range(self.spec["layers"])]
 
-    def stop(self) -> None:
+    def ask_exit(self) -> None:
+        """Ask the child to exit without waiting (a child already gone is fine)."""
         if self.proc.poll() is None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            with contextlib.suppress(OSError, ValueError):
+                self.send_line(self.exit_line)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask it to exit, kill it if it does not in ``timeout`` s, close the pipes."""
+        self._end_process(timeout)
+        self._close_pipes()
+
+    def _end_process(self, timeout: float) -> None:
+        self.ask_exit()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def _close_pipes(self) -> None:
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 with contextlib.suppress(OSError):
                     f.close()
+
+
+class WorkerProcess(LineChild):
+    """A ``tests.helpers.kv_worker`` child: registers KV caches, dumps them on request."""
+
+    def __init__(self, spec: dict[str, Any], module: str = "kv_worker") -> None:
+        super().__init__(module, spec, name=f"worker {spec.get('engine', module)}")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        # Generous: ten processes importing torch at once on two busy cores take a while.
+        assert self.line(timeout) == "ready"
+
+    def dump(self, directory: Path, timeout: float = 30.0) -> list[np.ndarray]:
+        """Each layer's logical (2, B, N, H, C) values as they are now."""
+        self._ask_dump(directory, timeout)
+        return [np.load(directory / f"layer{i}.npy") for i in range(self.spec["layers"])]
+
+    def _ask_dump(self, directory: Path, timeout: float) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.send_line(f"dump {directory}")
+        assert self.line(timeout) == "ok"
 
 
 @contextlib.contextmanager
@@ -197,9 +228,6 @@ def workers(specs: list[dict[str, Any]]) -> Iterator[list[WorkerProcess]]:
     finally:
         # Ask all to exit first, then wait: stopping them one by one costs a second each.
         for p in procs:
-            with contextlib.suppress(BrokenPipeError, OSError, AssertionError):
-                assert p.proc.stdin is not None
-                p.proc.stdin.write("exit\n")
-                p.proc.stdin.flush()
+            p.ask_exit()
         for p in procs:
             p.stop()

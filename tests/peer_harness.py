@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvsidecar.config import Config
-from tests.harness import ROOT, DaemonProcess, WorkerProcess, make_config
+from tests.harness import DaemonProcess, WorkerProcess, make_config
 from tests.helpers.peer_worker import global_layer, rank_heads, rank_values
 
 
@@ -77,23 +74,11 @@ class PeerWorkers(WorkerProcess):
     """A ``tests.helpers.peer_worker`` process (several engines and ranks in one process)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.spec = {**spec, "engine": "peer-workers"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.peer_worker", json.dumps(spec)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        super().__init__(spec, module="peer_worker")
 
     def dump_all(self, directory: Path, timeout: float = 60.0) -> dict[str, np.ndarray]:
         """Every engine/rank/layer's logical values, keyed ``<engine>.r<rank>.l<layer>``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"dump {directory}\n")
-        self.proc.stdin.flush()
-        assert self._line(timeout) == "ok"
+        self._ask_dump(directory, timeout)
         return {p.stem: np.load(p) for p in directory.glob("*.npy")}
 
 

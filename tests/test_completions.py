@@ -11,11 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import select
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +29,7 @@ from kvsidecar.protocol import (
     Report,
     WorkerRef,
 )
-from tests.harness import ROOT, daemon_process, make_config
+from tests.harness import LineChild, daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,52 +178,21 @@ async def test_engine_state_outlives_its_workers_briefly() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class ReportWorker:
+class ReportWorker(LineChild):
     """A ``tests.helpers.report_worker`` child that answers one JSON line per command."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.report_worker", json.dumps(spec)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    exit_line = json.dumps({"exit": True})
 
-    def line(self, timeout: float = 30.0) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError("worker silent")
-        out = self.proc.stdout.readline()
-        if not out:
-            raise RuntimeError(f"worker exited with {self.proc.wait(5)}")
-        return out.strip()
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__("report_worker", spec, name=f"report worker r{spec.get('tp_rank')}")
 
     def send(self, cmd: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.send_line(json.dumps(cmd))
 
     def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self.send(cmd)
         result: dict[str, Any] = json.loads(self.line())
         return result
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                self.send({"exit": True})
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
 
 
 @contextlib.contextmanager

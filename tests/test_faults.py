@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ import zmq
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, WorkerRef
 from kvsidecar.protocol import Status
-from tests.harness import ROOT, DaemonProcess, daemon_process, make_config
+from tests.harness import DaemonProcess, LineChild, daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,18 +40,11 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-class Worker:
+class Worker(LineChild):
     """A `tests.helpers.fault_worker` process whose JSON lines are collected by a thread."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.fault_worker", json.dumps(spec)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        super().__init__("fault_worker", spec, name="fault worker")
         self.lines: list[dict[str, Any]] = []
         self.ready = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -79,17 +70,9 @@ class Worker:
         raise TimeoutError(f"{what} within {timeout} s; last lines {self.lines[-5:]}")
 
     def stop(self, timeout: float = 20) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._thread.join(5)
+        self._end_process(timeout)
+        self._thread.join(5)  # it ends at the pipe's EOF; the pipes close after it
+        self._close_pipes()
 
 
 @contextlib.contextmanager
