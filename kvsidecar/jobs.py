@@ -159,8 +159,9 @@ class _PairPlan:
     names: list[str]
     ratio: int
     fixes: list[tuple[LayerBuffer, MemoryOrder]]
-    small: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
-    """`mover.small_groups` of the two sides, for moves of a few blocks (ratio 1, CPU only)."""
+    cpu_groups: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
+    """`mover.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
+    copies through these, small ones with `mover.copy_small`, larger with `mover.copy_groups`."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
 
@@ -191,7 +192,7 @@ def _pair_plan(
             for n in names
             if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
         ],
-        small=mover.small_groups(src_views, dst_views) if ratio == 1 else None,
+        cpu_groups=mover.cpu_groups(src_views, dst_views) if ratio == 1 else None,
         src_views=src_views,
         dst_views=dst_views,
     )
@@ -228,8 +229,8 @@ def prepare_move(
     verification = integrity.Verification() if checksum else None
     copy: Callable[[], int]
     # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
-    if pair.small is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
-        groups = pair.small
+    groups = pair.cpu_groups
+    if groups is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
         def copy() -> int:
@@ -245,9 +246,12 @@ def prepare_move(
         )
         src_views, dst_views = pair.src_views, pair.dst_views
         plan = mover.plan_runs(src_idx, sub_dst)
+        prepared = groups  # the CPU views, stacked once for this pair
 
         def copy() -> int:
             if verification is None:
+                if prepared is not None:
+                    return mover.copy_groups(prepared, plan)
                 return mover.copy_runs(src_views, dst_views, plan)
             return integrity.verified_copy(
                 lambda: int(mover.copy_runs(src_views, dst_views, plan)),

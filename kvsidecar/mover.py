@@ -42,12 +42,13 @@ __all__ = [
     "Run",
     "RunPlan",
     "clip_ssm_state_blocks",
+    "copy_groups",
     "copy_runs",
     "copy_small",
+    "cpu_groups",
     "default_copy_threads",
     "plan_runs",
     "plan_small",
-    "small_groups",
     "validate_move",
 ]
 
@@ -259,15 +260,16 @@ def plan_small(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
-def small_groups(
+def cpu_groups(
     src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor]
 ) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None:
-    """Pair CPU views up as numpy byte rows for `copy_small`, stacked like `copy_runs` stacks.
+    """Pair CPU views up as numpy byte rows for `copy_small` and `copy_groups`.
 
-    Layers of one region become one 3-D ``(layers, num_blocks, row_bytes)`` array per side, so a
-    run is one copy across all of them; other views stay 2-D. Built once per pair of buffer sets
-    (`kvsidecar.jobs` caches it): the stacking checks cost tens of µs per view. None when a view
-    is not on the CPU or a pair disagrees in dtype or block size (`copy_runs` reports that).
+    They are stacked as `copy_runs` stacks them: layers of one region become one 3-D
+    ``(layers, num_blocks, row_bytes)`` array per side, so a run is one copy across all of them;
+    other views stay 2-D. Built once per pair of buffer sets (`kvsidecar.jobs` caches it): the
+    stacking checks cost tens of µs per view. None when a view is not on the CPU or a pair
+    disagrees in dtype or block size (`copy_runs` reports that).
     """
     if len(src_views) != len(dst_views):
         return None
@@ -293,25 +295,37 @@ def copy_small(
     groups: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
     runs: Sequence[tuple[int, int, int]],
 ) -> int:
-    """Copy a few runs between `small_groups` arrays (2-D rows or 3-D stacks of layers).
+    """Copy a few runs between `cpu_groups` arrays (2-D rows or 3-D stacks of layers).
 
     The fast path for small moves: no per-call view building or stacking, whose fixed cost
-    dwarfs copying a few blocks. The caller has checked everything `copy_runs` checks (the runs
-    fit both sides). Returns the bytes copied.
+    dwarfs copying a few blocks, and no numpy plan. The caller has checked everything
+    `copy_runs` checks (the runs fit both sides). Returns the bytes copied.
     """
-    copyto = np.copyto
-    total = 0
-    blocks = sum(n for _, _, n in runs)
-    for src, dst in groups:
-        if src.ndim == 2:
-            for s, d, n in runs:
-                copyto(dst[d : d + n], src[s : s + n])
-            total += src.shape[1] * blocks
-        else:
-            for s, d, n in runs:
-                copyto(dst[:, d : d + n], src[:, s : s + n])
-            total += src.shape[0] * src.shape[2] * blocks
+    _copy_numpy(groups, [s for s, _, _ in runs], [d for _, d, _ in runs], [n for _, _, n in runs])
+    return _group_row_bytes(groups) * sum(n for _, _, n in runs)
+
+
+def copy_groups(
+    groups: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+    plan: RunPlan,
+    *,
+    threads: int | None = None,
+) -> int:
+    """`copy_runs` between `cpu_groups` arrays built once per buffer pair.
+
+    Skips `copy_runs`' per-call view building and stacking (tens of µs per view, which
+    dominates moves of a few MiB); the caller has checked that the plan fits both sides.
+    Large moves use the same helper threads as `copy_runs`. Returns the bytes copied.
+    """
+    total = _group_row_bytes(groups) * plan.num_blocks
+    if total:
+        _run_cpu(groups, plan, default_copy_threads() if threads is None else threads, total)
     return total
+
+
+def _group_row_bytes(groups: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]) -> int:
+    """Bytes one block id moves across all groups (a 3-D group is layers x row bytes)."""
+    return sum(src.shape[1] if src.ndim == 2 else src.shape[0] * src.shape[2] for src, _ in groups)
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,9 +518,10 @@ def _copy_numpy(
                 copyto(dst[:, d_sl], src[:, s_sl])
 
 
-def _run_cpu(groups: list[tuple[_Rows, _Rows]], plan: RunPlan, threads: int, total: int) -> None:
-    arrays = [(s.tensor.numpy(), d.tensor.numpy()) for s, d in groups]
-    calls = len(plan) * len(groups)
+def _run_cpu(
+    arrays: Sequence[tuple[_Bytes, _Bytes]], plan: RunPlan, threads: int, total: int
+) -> None:
+    calls = len(plan) * len(arrays)
     threads = max(1, min(threads, _MAX_THREADS))
     if threads == 1 or total < _PARALLEL_MIN_BYTES or total < calls * _PARALLEL_MIN_CALL_BYTES:
         _copy_numpy(
@@ -641,7 +656,8 @@ def copy_runs(
         return 0
     groups = _group_views(src_rows, dst_rows)
     if all(t.device.type == "cpu" for t in (*src_rows, *dst_rows)):
-        _run_cpu(groups, plan, default_copy_threads() if threads is None else threads, total)
+        arrays = [(s.tensor.numpy(), d.tensor.numpy()) for s, d in groups]
+        _run_cpu(arrays, plan, default_copy_threads() if threads is None else threads, total)
     else:
         _run_torch(groups, plan, stream, synchronize)
     return total

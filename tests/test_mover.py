@@ -605,7 +605,7 @@ def test_copy_small_matches_a_block_by_block_reference(
     for s_view, w_view in zip(src, want, strict=True):  # the reference: one block at a time
         for s, d in zip(src_ids, dst_ids, strict=True):
             w_view[d] = s_view[s]
-    groups = mover.small_groups(src, got)
+    groups = mover.cpu_groups(src, got)
     assert groups is not None
     if kind == "one region":
         assert len(groups) == 1 and groups[0][0].ndim == 3  # stacked: one copy per run
@@ -614,8 +614,41 @@ def test_copy_small_matches_a_block_by_block_reference(
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-def test_small_groups_declines_what_copy_runs_would_refuse() -> None:
+def test_cpu_groups_declines_what_copy_runs_would_refuse() -> None:
     a = torch.zeros(16, 64, dtype=torch.uint8)
-    assert mover.small_groups([a], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
-    assert mover.small_groups([a], [a, a]) is None
-    assert mover.small_groups([a[:, ::2]], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+    assert mover.cpu_groups([a], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+    assert mover.cpu_groups([a], [a, a]) is None
+    assert mover.cpu_groups([a[:, ::2]], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+
+
+@pytest.mark.parametrize("kind", ["separate", "one region", "interleaved"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_groups_matches_a_block_by_block_reference(kind: str, threads: int) -> None:
+    """A 32 MiB move in runs of 4 (enough to use the helper threads) through prepared groups."""
+    gen = torch.Generator().manual_seed(threads)
+    blocks, row, layers = 256, 64 << 10, 4
+    if kind == "separate":
+        src = [
+            torch.randint(0, 255, (blocks, row), dtype=torch.uint8, generator=gen) for _ in "abcd"
+        ]
+        got = [torch.zeros(blocks, row, dtype=torch.uint8) for _ in "abcd"]
+    elif kind == "one region":
+        src = list(torch.randint(0, 255, (layers, blocks, row), dtype=torch.uint8, generator=gen))
+        got = list(torch.zeros(layers, blocks, row, dtype=torch.uint8))
+    else:
+        src_region = torch.randint(0, 255, (blocks, layers, row), dtype=torch.uint8, generator=gen)
+        got_region = torch.zeros(blocks, layers, row, dtype=torch.uint8)
+        src = [src_region[:, k] for k in range(layers)]
+        got = [got_region[:, k] for k in range(layers)]
+    want = [g.clone() for g in got]
+    perm = torch.randperm(blocks // 4, generator=gen).tolist()
+    src_ids = [4 * p + i for p in perm[:32] for i in range(4)]
+    dst_ids = [4 * p + i for p in perm[32:] for i in range(4)]
+    for s_view, w_view in zip(src, want, strict=True):  # the reference: one block at a time
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            w_view[d] = s_view[s]
+    groups = mover.cpu_groups(src, got)
+    assert groups is not None
+    copied = mover.copy_groups(groups, mover.plan_runs(src_ids, dst_ids), threads=threads)
+    assert copied == layers * len(src_ids) * row
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
