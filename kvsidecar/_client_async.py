@@ -56,8 +56,6 @@ log = logging.getLogger("kvsidecar.client")
 
 _BURST = 64
 """Replies read per reader callback before yielding to the loop."""
-_COPY_BELOW = 1 << 16
-"""Requests smaller than this are copied into ZMQ messages rather than sent zero-copy."""
 
 
 class _Expired(Exception):
@@ -149,9 +147,7 @@ class AsyncSidecarClient(_Base):
             if sock is None:
                 raise SidecarError("connection_lost", "the client was closed")
             try:
-                # Copied when small: a zero-copy frame object costs more than copying a header.
-                copy = len(frames) == 1 or sum(memoryview(f).nbytes for f in frames) < _COPY_BELOW
-                zmqio.send_frames(sock, frames, copy=copy)
+                zmqio.send_frames(sock, frames)
                 break
             except zmq.Again:  # high-water mark reached: the daemon is not reading
                 if time.monotonic() + delay >= deadline:

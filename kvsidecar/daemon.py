@@ -50,7 +50,7 @@ from kvsidecar.commands import Commands, reply_of
 from kvsidecar.completions import CompletionService
 from kvsidecar.config import Config
 from kvsidecar.errors import SidecarError
-from kvsidecar.executor import CopyExecutor
+from kvsidecar.executor import CopyExecutor, call_soon_from_thread
 from kvsidecar.jobs import prepare_fix
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
@@ -430,21 +430,18 @@ class Daemon(Registration, Commands):
             if sock is None:
                 return
             try:
-                # A ROUTER never blocks on send (it drops for a gone or saturated peer). Small
-                # frames are copied: a zero-copy frame object costs more than copying them.
-                zmqio.send_frames(sock, [ident, header, *data], copy=not data)
+                # A ROUTER never blocks on send (it drops for a gone or saturated peer).
+                zmqio.send_frames(sock, [ident, header, *data])
                 # The send may have taken the fd's edge: requests waiting now would go unnoticed.
                 pending = zmqio.readable(sock)
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
                 return
         if pending:
-            loop = self._loop
             if not from_thread:
                 asyncio.get_running_loop().call_soon(self._on_readable)
-            elif loop is not None:
-                with contextlib.suppress(RuntimeError):  # the loop closed at exit
-                    loop.call_soon_threadsafe(self._on_readable)
+            elif self._loop is not None:
+                call_soon_from_thread(self._loop, self._on_readable)
 
     def _on_message(self, frames: _Frames) -> None:
         ident = frames[0].bytes

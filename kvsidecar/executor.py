@@ -17,7 +17,6 @@ import collections
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,7 +32,7 @@ BlockSets = Mapping[Hashable, npt.NDArray[np.signedinteger]]
 """Blocks a job touches: buffer-set key -> block ids (each id a whole destination block)."""
 
 
-def _call_soon(
+def call_soon_from_thread(
     loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
 ) -> None:
     """Schedule ``callback`` on ``loop`` from any thread; a closed loop (exit) drops it."""
@@ -98,8 +97,6 @@ class CopyExecutor:
         )
         """Work the threads have finished and the loop has not settled yet (`settle_finished`)."""
         self._idle_waiters: list[asyncio.Future[None]] = []
-        self.busy_seconds = 0.0
-        """Seconds spent copying, summed over threads."""
         # Daemon threads: after a drain timeout a copy still running is abandoned to process
         # exit (`shutdown(wait=False)`) instead of holding the exit up.
         self._threads = [
@@ -188,26 +185,24 @@ class CopyExecutor:
 
     def _serve(self) -> None:
         """Run work on this copy thread until the stop sentinel."""
-        get, perf = self._queue.get, time.perf_counter
+        get = self._queue.get
         while (work := get()) is not None:
             if self._closing:  # queued when `shutdown` came: never runs
-                _call_soon(work.loop, self._drop, work)
+                call_soon_from_thread(work.loop, self._drop, work)
                 continue
-            start = perf()
             value: Any = None
             error: BaseException | None = None
             try:
                 value = work.fn()
             except BaseException as exc:  # handed to the awaiting side, like run_in_executor
                 error = exc
-            self.busy_seconds += perf() - start
             self._finished.append((work, value, error))
             if error is None and work.on_thread is not None:
                 try:
                     work.on_thread(value)
                 except Exception:  # a bug in the hook must not stop this thread
                     log.exception("copy-thread completion hook failed")
-            _call_soon(work.loop, self.settle_finished)
+            call_soon_from_thread(work.loop, self.settle_finished)
             # No cycle through this frame: it holds ``fn`` (the job's views) until the next get.
             del work, value, error
 

@@ -39,9 +39,9 @@ def _wait_readable(sock: zmq.Socket[bytes]) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", [True, False, None])
 def test_multipart_round_trip_keeps_every_frame(
-    pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]], copy: bool
+    pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]], copy: bool | None
 ) -> None:
     router, dealer = pair
     ids = np.arange(10_000, dtype="<i4")  # 40 KB: sent from the array's own buffer
