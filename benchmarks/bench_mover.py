@@ -1,4 +1,4 @@
-"""Block-copy benchmark: kvsidecar.mover against a naive per-layer copy and raw memcpy, one run.
+"""Block-copy benchmark: kvsidecar.core.mover against a naive per-layer copy and raw memcpy.
 
 The in-process half of ``kvsidecar bench local``, with two layouts and two thread counts: a thin
 wrapper whose workload (caches, ids, copies, baselines, checks) is `kvsidecar.bench.workload`.
@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvsidecar import mover
 from kvsidecar.bench import workload
 from kvsidecar.bench.common import round_robin
+from kvsidecar.core import mover
 
 BLOCK_SHAPE = (16, 8, 128)  # block_size, num_kv_heads, head_size
 DTYPE = torch.float16

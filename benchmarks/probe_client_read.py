@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zmq
 import zmq.asyncio
 
-from kvsidecar import zmqio
 from kvsidecar.bench import procs
 from kvsidecar.client import AsyncSidecarClient
-from kvsidecar.protocol import Status
+from kvsidecar.wire import zmqio
+from kvsidecar.wire.protocol import Status
 
 
 async def _probe(endpoint: str, rounds: int, batch: int) -> dict[str, float]:

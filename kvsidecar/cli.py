@@ -1,14 +1,6 @@
 """The ``kvsidecar`` command: builds a `Config` or a client and hands over to the library.
 
-Exit codes (also in ``docs/operations.md``):
-
-====  =====================================================
-0     success
-1     the command ran and failed (a demo check, a daemon error)
-2     usage error (bad flags)
-3     invalid configuration
-4     the daemon could not be reached
-====  =====================================================
+Exit codes are in `kvsidecar.exitcodes` (and ``docs/operations.md``).
 """
 
 from __future__ import annotations
@@ -20,14 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsidecar import __version__
-from kvsidecar.config import SETTINGS, Config, ConfigError, Setting
-from kvsidecar.logs import setup_logging
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_CONFIG = 3
-EXIT_UNREACHABLE = 4
+from kvsidecar.daemon.config import SETTINGS, Config, ConfigError, Setting
+from kvsidecar.daemon.logs import setup_logging
+from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setup_logging(config.log_level, args.log_format)
             import prometheus_client
 
-            from kvsidecar.daemon import Daemon
+            from kvsidecar.daemon.server import Daemon
 
             # Process-wide, hence here and not in the library: no `_created` series per counter.
             prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -150,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return print_status(args.endpoint, timeout=args.timeout)
         if args.command == "keygen":  # security
-            from kvsidecar.auth import keygen
+            from kvsidecar.wire.curve import keygen
 
             try:
                 public, secret = keygen(args.directory, args.name)

@@ -33,7 +33,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from kvsidecar.errors import SidecarError
+from kvsidecar.wire.errors import SidecarError
 
 HEADS = 8
 HEAD_SIZE = 64
@@ -136,7 +136,7 @@ class _Worker:
         }
 
     def _send(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from kvsidecar.protocol import BufferSetRef, WorkerRef
+        from kvsidecar.wire.protocol import BufferSetRef, WorkerRef
 
         dst = BufferSetRef(WorkerRef("decode", tp_rank=self.rank))
         moved = self.client.move(

@@ -6,8 +6,9 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import StatusReply
+from kvsidecar.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import StatusReply
 
 
 def human_bytes(n: float) -> str:
@@ -83,7 +84,6 @@ def format_status(st: StatusReply) -> str:
 
 def print_status(endpoint: str | None, *, timeout: float, out: TextIO = sys.stdout) -> int:
     """Query the daemon at ``endpoint`` and print its state; returns the CLI exit code."""
-    from kvsidecar.cli import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
     from kvsidecar.client import SidecarClient
 
     try:

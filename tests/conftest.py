@@ -24,7 +24,7 @@ def pytest_asyncio_loop_factories(
     return {"uvloop": uvloop.new_event_loop}
 
 
-# --- daemon harness (kvsidecar.daemon tests): see tests/harness.py ----------------------------
+# --- daemon harness: see tests/harness.py -----------------------------------------------------
 @pytest.fixture
 def daemon_config():  # type: ignore[no-untyped-def]
     """A fresh `Config` in its own short temp runtime dir (removed afterwards)."""

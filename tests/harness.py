@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.config import SETTINGS, Config
-from kvsidecar.daemon import Daemon
-from kvsidecar.errors import SidecarError
+from kvsidecar.daemon.config import SETTINGS, Config
+from kvsidecar.daemon.server import Daemon
+from kvsidecar.wire.errors import SidecarError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsidecar.config import Config
+from kvsidecar.daemon.config import Config
 from tests.harness import DaemonProcess, WorkerProcess, make_config
 from tests.helpers.peer_worker import global_layer, rank_heads, rank_values
 
@@ -33,7 +33,7 @@ def cluster_key() -> str:
         import atexit
         import tempfile
 
-        from kvsidecar.auth import keygen
+        from kvsidecar.wire.curve import keygen
 
         keys = tempfile.mkdtemp(prefix="kvs-keys-")
         atexit.register(shutil.rmtree, keys, ignore_errors=True)

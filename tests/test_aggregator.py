@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.aggregator import DEDUP_WINDOW, CompletionAggregator, WorkerFailure
-from kvsidecar.protocol import (
+from kvsidecar.core.aggregator import DEDUP_WINDOW, CompletionAggregator, WorkerFailure
+from kvsidecar.wire.protocol import (
     AggregatedOutput,
     CacheEvent,
     CacheEvents,

@@ -13,9 +13,9 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.config import Config
+from kvsidecar.daemon.config import Config
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import PROTOCOL_VERSION, Error, Hello, Move, Reply
+from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move, Reply
 from tests.harness import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(30)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import __version__
-from kvsidecar.cli import EXIT_CONFIG, EXIT_OK, EXIT_UNREACHABLE
-from kvsidecar.config import SETTINGS
+from kvsidecar.daemon.config import SETTINGS
+from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNREACHABLE
 from tests.harness import ROOT, daemon_process, make_config, workers
 
 _SCRIPT = Path(sys.executable).parent / "kvsidecar"

@@ -1,4 +1,4 @@
-"""Completion aggregation as a service: `kvsidecar.completions` alone, then end to end.
+"""Completion aggregation as a service: `kvsidecar.daemon.completions` alone, then end to end.
 
 The end-to-end test runs a daemon process and four worker processes of one engine (real
 sockets, real registrations): duplicated and reordered reports, a daemon-credited offload, and a
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.completions import CompletionService
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import (
+from kvsidecar.daemon.completions import CompletionService
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
     BufferSetRef,
     Collect,
     Collected,

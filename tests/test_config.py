@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.config import SETTINGS, Config, ConfigError
+from kvsidecar.daemon.config import SETTINGS, Config, ConfigError
 
 
 def test_defaults_fill_paths(tmp_path: Path) -> None:

@@ -481,7 +481,7 @@ def test_dashboard_and_rules_against_the_daemons_exposition() -> None:
     # The end-to-end variant scrapes a running daemon with dashboard_metrics_missing_from_scrape.
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvsidecar.metrics import DaemonMetrics, StateSnapshot
+    from kvsidecar.daemon.metrics import DaemonMetrics, StateSnapshot
 
     class State:
         def metrics_state(self) -> StateSnapshot:
@@ -588,7 +588,7 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
 # --------------------------------------------------------------------------------------------------
 
 PENDING_ENV_VARS: frozenset[str] = frozenset()
-"""Variables the deployment files use for settings not yet in kvsidecar.config.SETTINGS (none:
+"""Variables the deployment files use for settings not yet in the daemon's SETTINGS (none:
 KVSIDECAR_METRICS_HOST/PORT are settings since the metrics endpoint is wired into the daemon)."""
 
 CLI_ENV_VARS = frozenset({"KVSIDECAR_CONFIG", "KVSIDECAR_LOG_FORMAT"})
@@ -605,7 +605,7 @@ def _shipped_tomls() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize(("name", "text"), _shipped_tomls(), ids=lambda v: str(v)[:40])
 def test_shipped_configs_load(tmp_path: Path, name: str, text: str) -> None:
-    from kvsidecar.config import Config
+    from kvsidecar.daemon.config import Config
 
     path = tmp_path / "kvsidecar.toml"
     path.write_text(text)
@@ -613,7 +613,7 @@ def test_shipped_configs_load(tmp_path: Path, name: str, text: str) -> None:
 
 
 def test_deploy_env_vars_are_settings() -> None:
-    from kvsidecar.config import SETTINGS
+    from kvsidecar.daemon.config import SETTINGS
 
     known = {s.env_var for s in SETTINGS} | PENDING_ENV_VARS | CLI_ENV_VARS
     files = [UNIT, DEPLOY / "systemd" / "kvsidecar.env", DOCKERFILE, *MANIFESTS]

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, WorkerRef
-from kvsidecar.protocol import Status
+from kvsidecar.wire.protocol import Status
 from tests.harness import DaemonProcess, LineChild, daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(180)

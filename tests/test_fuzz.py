@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvsidecar.client import BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import (
+from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     REQUEST_TAGS,
     BufferDescriptor,

@@ -1,4 +1,4 @@
-"""Tests of kvsidecar.layout against independent references written as plain loops.
+"""Tests of kvsidecar.core.layout against independent references written as plain loops.
 
 Every expectation here is built element by element from offsets the tests compute themselves:
 where a K/V region starts, where token n / head h / channel c sits in NHD or HND memory. The
@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvsidecar.layout as layout_module
-from kvsidecar.layout import (
+import kvsidecar.core.layout as layout_module
+from kvsidecar.core.layout import (
     LayoutError,
     block_bytes,
     block_len,
@@ -35,7 +35,7 @@ from kvsidecar.layout import (
     torch_dtype,
     view_buffer,
 )
-from kvsidecar.protocol import BufferDescriptor
+from kvsidecar.wire.protocol import BufferDescriptor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Tests of kvsidecar.metrics against real parts: sockets, a real Prometheus, promtool."""
+"""Tests of kvsidecar.daemon.metrics against real parts: sockets, a real Prometheus, promtool."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from kvsidecar.metrics import (
+from kvsidecar.daemon.metrics import (
     LAYOUT_FIX_KINDS,
     MOVE_KINDS,
     DaemonMetrics,

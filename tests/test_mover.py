@@ -1,4 +1,4 @@
-"""Tests for kvsidecar.mover, checked against an independent per-block loop."""
+"""Tests for kvsidecar.core.mover, checked against an independent per-block loop."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar import mover
-from kvsidecar.mover import (
+from kvsidecar.core import mover
+from kvsidecar.core.mover import (
     MoveError,
     Run,
     RunPlan,
@@ -22,7 +22,7 @@ from kvsidecar.mover import (
     plan_runs,
     validate_move,
 )
-from kvsidecar.protocol import ERROR_CODES
+from kvsidecar.wire.protocol import ERROR_CODES
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 if hasattr(torch, "float8_e4m3fn"):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.errors import SidecarError
 from kvsidecar.peer.nixl_plane import nixl_available
+from kvsidecar.wire.errors import SidecarError
 from tests.peer_harness import daemon, expected_rank, free_port, peer_config, peer_workers
 
 pytestmark = pytest.mark.timeout(180)

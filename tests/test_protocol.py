@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.errors import SidecarError
-from kvsidecar.framing import decode_ids, encode_ids
-from kvsidecar.protocol import (
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import decode_ids, encode_ids
+from kvsidecar.wire.protocol import (
     ERROR_CODES,
     REQUEST_TAGS,
     BufferDescriptor,

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvsidecar import integrity
-from kvsidecar.admission import Admission
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
+from kvsidecar.core import integrity
+from kvsidecar.daemon.admission import Admission
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import Moved
+from kvsidecar.wire.protocol import Moved
 from tests.harness import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +49,7 @@ async def test_epochs_fence_stale_commands() -> None:
 
 
 async def test_stale_heartbeat_and_unregister_are_refused() -> None:
-    from kvsidecar.protocol import Heartbeat, Unregister
+    from kvsidecar.wire.protocol import Heartbeat, Unregister
 
     config = make_config()
     mem = _filled((2, 8, 4, 2, 8), 2)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.sdnotify import Notifier, watchdog_loop
+from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -21,18 +21,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar.access import AccessControl
-from kvsidecar.auth import (
-    DomainPolicy,
-    ZapHandler,
-    keygen,
-    load_authorized_keys,
-    load_keypair,
-)
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.config import Config, ConfigError
-from kvsidecar.daemon import Daemon
+from kvsidecar.daemon.access import AccessControl
+from kvsidecar.daemon.auth import DomainPolicy, ZapHandler, control_transport
+from kvsidecar.daemon.config import Config, ConfigError
+from kvsidecar.daemon.server import Daemon
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.curve import KeyFileError, keygen, load_authorized_keys, load_keypair
 from tests.harness import ROOT, make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,8 +149,14 @@ def test_keygen_files(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         keygen(tmp_path, "node")
     os.chmod(secret, 0o644)
-    with pytest.raises(ConfigError, match="chmod 600"):
+    with pytest.raises(KeyFileError, match="chmod 600"):
         load_keypair(secret)
+    # The daemon reports a bad key file as a configuration error (exit code 3 in the CLI).
+    config = Config(
+        runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555", curve_secret_key=str(secret)
+    )
+    with pytest.raises(ConfigError, match="chmod 600"):
+        control_transport(config)
 
 
 def test_tcp_needs_keys_or_insecure(tmp_path: Path) -> None:

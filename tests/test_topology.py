@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.topology import (
+from kvsidecar.core.topology import (
     EngineTransferInfo,
     TopologyError,
     TransferTopology,

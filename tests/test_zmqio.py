@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvsidecar import zmqio
+from kvsidecar.wire import zmqio
 
 pytestmark = pytest.mark.timeout(30)
 

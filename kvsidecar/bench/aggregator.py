@@ -29,7 +29,7 @@ from kvsidecar.bench import aggregator_procs, procs
 from kvsidecar.bench.common import Figure, Options, Progress, note
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import Report
+from kvsidecar.wire.protocol import Report
 
 WORKERS = 8
 IDS = 16

@@ -36,12 +36,12 @@ import msgspec
 import torch
 import zmq
 
-from kvsidecar.aggregator import CompletionAggregator
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import Figure, Options, note
 from kvsidecar.client import SidecarClient
+from kvsidecar.core.aggregator import CompletionAggregator
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.protocol import Report, WorkerRef, WorkerReport
+from kvsidecar.wire.protocol import Report, WorkerRef, WorkerReport
 
 WORKERS = 8
 

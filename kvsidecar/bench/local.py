@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsidecar import mover
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import Figure, Options, Progress, note, round_robin, torch_dtype
 from kvsidecar.bench.workload import (
@@ -40,6 +39,7 @@ from kvsidecar.bench.workload import (
     run_length_of,
 )
 from kvsidecar.client import BufferSetRef, SidecarClient
+from kvsidecar.core import mover
 from kvsidecar.memory import allocate_kv_caches
 
 NAIVE = "naive index_copy_"

@@ -105,7 +105,7 @@ def daemon(
 
 def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
     from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import SidecarError
+    from kvsidecar.wire.errors import SidecarError
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar import mover
+from kvsidecar.core import mover
 
 IdPair = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 

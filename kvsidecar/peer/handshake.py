@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvsidecar import layout
+from kvsidecar.core import layout
+from kvsidecar.core.topology import EngineTransferInfo
+from kvsidecar.daemon.registry import Engine, Worker
 from kvsidecar.peer.messages import CompatInfo, PeerEngine, PeerWorker
-from kvsidecar.protocol import Medium
-from kvsidecar.registry import Engine, Worker
-from kvsidecar.topology import EngineTransferInfo
+from kvsidecar.wire.protocol import Medium
 
 
 class IncompatiblePeer(Exception):

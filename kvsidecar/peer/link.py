@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvsidecar.auth import KeyPair, secure_client_socket  # security
 from kvsidecar.peer.messages import PeerError, PeerReply, PeerRequest, ReadData
+from kvsidecar.wire.curve import KeyPair, secure_client_socket  # security
 
 log = logging.getLogger("kvsidecar.peer")
 

@@ -2,7 +2,7 @@
 
 A daemon with a ``peer_endpoint`` binds a ZeroMQ ROUTER there; a pulling daemon connects one
 DEALER per remote endpoint. Messages are `msgspec` structs in one tagged union per direction,
-separate from the control protocol (`kvsidecar.protocol`), framed the same way: ``[header,
+separate from the control protocol (`kvsidecar.wire.protocol`), framed the same way: ``[header,
 *data]``. Bulk data travels in raw frames, never inside a struct:
 
 - `ReadBlocks` carries one frame: an ``(n, 3)`` little-endian int64 array of ``(layer index,
@@ -20,8 +20,8 @@ from typing import Literal
 
 import msgspec
 
-from kvsidecar.protocol import Arrangement, BufferDescriptor, MemoryOrder
-from kvsidecar.topology import EngineTransferInfo
+from kvsidecar.core.topology import EngineTransferInfo
+from kvsidecar.wire.protocol import Arrangement, BufferDescriptor, MemoryOrder
 
 PEER_PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the messages below."""

@@ -1,17 +1,17 @@
 """The transfer plan of one pull: which remote ranks, which byte ranges, landing where. Pure.
 
 Everything is expressed as byte ranges of registered layer buffers (each layer is one dense
-buffer, `kvsidecar.layout.buffer_nbytes` long), so both data planes execute the same plan: the
+buffer, `kvsidecar.core.layout.buffer_nbytes` long), so both data planes execute the same plan: the
 ZMQ plane sends the remote ranges as frames and receives them into the local ranges, the NIXL
 plane turns both into address descriptors of one READ.
 
 Geometry of a layer buffer: it holds one or two *regions* per block (K and V, or one MLA latent,
 or one of a ``split`` pair), each ``block_len`` bytes; region ``k`` of block ``b`` starts at
 ``base[k] + b * stride``. A local block with ``r`` times the remote block size is filled as
-``r`` sub-regions of ``block_len / r`` bytes, in token order; `kvsidecar.layout.fix_received`
+``r`` sub-regions of ``block_len / r`` bytes, in token order; `kvsidecar.core.layout.fix_received`
 then turns the packed remote blocks into the local layout (the reference's receive-side fixes).
 
-Rank mapping follows `kvsidecar.topology.TransferTopology`:
+Rank mapping follows `kvsidecar.core.topology.TransferTopology`:
 
 - local TP >= remote TP: local rank ``l`` reads one remote rank; with a TP ratio above 1 only its
   own heads, a contiguous byte range of an HND remote region (`layout.head_slice`);
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar import layout
+from kvsidecar.core import layout
+from kvsidecar.core.topology import EngineTransferInfo, TopologyError, TransferTopology
 from kvsidecar.peer.messages import PeerEngine, PeerWorker
-from kvsidecar.protocol import BufferDescriptor, MemoryOrder
-from kvsidecar.topology import EngineTransferInfo, TopologyError, TransferTopology
+from kvsidecar.wire.protocol import BufferDescriptor, MemoryOrder
 
 I64 = npt.NDArray[np.int64]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from kvsidecar.daemon.registry import LayerBuffer
 from kvsidecar.peer.link import PeerLink
 from kvsidecar.peer.messages import PeerWorker
 from kvsidecar.peer.plan import ReadPlan
-from kvsidecar.registry import LayerBuffer
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ rank's reads (`kvsidecar.peer.plan`), runs them on the chosen data plane, fixes 
 copy executor, notifies the producer ranks, and reports each request as finished or failed. A
 pull is bounded by its timeout: a dead or silent peer fails the request, it never hangs.
 
-Completion events: every outcome becomes a `kvsidecar.protocol.PeerCompletion`. They queue in
+Completion events: every outcome becomes a `kvsidecar.wire.protocol.PeerCompletion`. They queue in
 `PeerService.completions` (taken with the ``take_peer_events`` command) unless
 `PeerService.on_completion` is set: the completion aggregation service (issue 4) sets that hook
 and receives every event as it happens instead.
@@ -38,7 +38,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar.auth import (  # security
+from kvsidecar.daemon.auth import (  # security
     PEER_DOMAIN,
     Transport,
     ZapHandler,
@@ -46,11 +46,10 @@ from kvsidecar.auth import (  # security
     peer_transport,
     secure_server_socket,
 )
-from kvsidecar.config import Config
-from kvsidecar.errors import SidecarError
-from kvsidecar.executor import CopyExecutor
-from kvsidecar.framing import IdArray
-from kvsidecar.jobs import fix_layers
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.daemon.jobs import fix_layers
+from kvsidecar.daemon.registry import BufferSet, Registry, Worker
 from kvsidecar.peer.handshake import IncompatiblePeer, check_compatible, describe_engine
 from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.messages import (
@@ -68,7 +67,9 @@ from kvsidecar.peer.nixl_plane import NixlPlane
 from kvsidecar.peer.plan import PlanError, RankPlan, plan_rank
 from kvsidecar.peer.planes import DataPlane, ReadTarget
 from kvsidecar.peer.zmq_plane import ZmqPlane, serve_read
-from kvsidecar.protocol import (
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray
+from kvsidecar.wire.protocol import (
     Ok,
     PeerCompletion,
     PeerEvents,
@@ -79,7 +80,6 @@ from kvsidecar.protocol import (
     TakePeerEvents,
     WorkerRef,
 )
-from kvsidecar.registry import BufferSet, Registry, Worker
 
 log = logging.getLogger("kvsidecar.peer")
 

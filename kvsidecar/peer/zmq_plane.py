@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvsidecar.daemon.registry import LayerBuffer
 from kvsidecar.peer.link import Dest, PeerGone
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
-from kvsidecar.registry import LayerBuffer
 
 _RANGE = np.dtype("<i8")
 

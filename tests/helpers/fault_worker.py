@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.errors import SidecarError
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.errors import SidecarError
 
 
 def main() -> None:

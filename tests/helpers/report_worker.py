@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.errors import SidecarError
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.errors import SidecarError
 
 _KEYS = ("finished_sending", "finished_recving", "failed_recving", "invalid_block_ids")
 

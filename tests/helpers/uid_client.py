@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from kvsidecar.protocol import PROTOCOL_VERSION, Hello, Reply
+from kvsidecar.wire.protocol import PROTOCOL_VERSION, Hello, Reply
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 A move is "block ``src_ids[i]`` of every source view goes to block ``dst_ids[i]`` of the paired
 destination view". A *view* is one layer's K (or V, or MLA) cache seen block-major: a tensor whose
 dim 0 indexes blocks and whose remaining dims hold one block's bytes contiguously (the rows that
-`kvsidecar.layout.block_views` hands out). The block stride may exceed the row length, as in a
+`kvsidecar.core.layout.block_views` hands out). The block stride may exceed the row length, as in a
 FlashInfer ``(num_blocks, 2, ...)`` cache seen through its K half.
 
 The work is split in three steps so that the daemon can reject a bad request before touching
@@ -59,7 +59,7 @@ MoveErrorCode = Literal[
     "duplicate_destination",
     "incompatible_buffers",
 ]
-"""Why a move was refused. Every value is also a `kvsidecar.protocol.ErrorCode`, so the daemon
+"""Why a move was refused. Every value is also a `kvsidecar.wire.protocol.ErrorCode`, so the daemon
 can reply with ``MoveError.code`` unchanged.
 
 - ``invalid_message``: an id array is not a 1-D array of integers, or (``aliased`` moves) a block
@@ -267,7 +267,7 @@ def cpu_groups(
 
     They are stacked as `copy_runs` stacks them: layers of one region become one 3-D
     ``(layers, num_blocks, row_bytes)`` array per side, so a run is one copy across all of them;
-    other views stay 2-D. Built once per pair of buffer sets (`kvsidecar.jobs` caches it): the
+    other views stay 2-D. Built once per pair of buffer sets (the daemon's jobs cache it): the
     stacking checks cost tens of µs per view. None when a view is not on the CPU or a pair
     disagrees in dtype or block size (`copy_runs` reports that).
     """

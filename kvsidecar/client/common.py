@@ -2,8 +2,8 @@
 
 `_Base` holds the client state (daemon, workers, epochs, registrations kept for a reconnect) and
 turns each command's arguments into a `_Call`: the request, the reply type it expects, its id
-frames, its timeout, and what to make of the reply. A flavour (`kvsidecar._client_sync`,
-`kvsidecar._client_async`) only carries calls over its socket, so each public method is one line.
+frames, its timeout, and what to make of the reply. A flavour (`kvsidecar.client.sync`,
+`kvsidecar.client.aio`) only carries calls over its socket, so each public method is one line.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import numpy.typing as npt
 import torch
 import zmq
 
-from kvsidecar import layout
-from kvsidecar.auth import KeyPair, client_keys_from_env, secure_client_socket
-from kvsidecar.config import Config
-from kvsidecar.errors import SidecarError
-from kvsidecar.framing import IdArray, decode_ids, encode_ids
+from kvsidecar.core import layout
 from kvsidecar.memory.cuda_ipc import export_cuda_tensors
 from kvsidecar.memory.fd_channel import FdChannelClient, new_token
 from kvsidecar.memory.shm import export_tensors
-from kvsidecar.protocol import (
+from kvsidecar.wire.curve import KeyPair, client_keys_from_env, secure_client_socket
+from kvsidecar.wire.endpoints import default_endpoint
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray, decode_ids, encode_ids
+from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     Arrangement,
     BufferSetRef,
@@ -78,11 +78,6 @@ Ids = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 
 R = TypeVar("R", bound=Reply)
 T = TypeVar("T")
-
-
-def default_endpoint() -> str:
-    """Return the endpoint a daemon started with this environment listens on (``KVSIDECAR_*``)."""
-    return Config.load().endpoint
 
 
 def _as_id_array(ids: Ids) -> IdArray:

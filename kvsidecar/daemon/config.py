@@ -13,8 +13,9 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
+
+from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -232,14 +233,6 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
-def default_runtime_dir() -> Path:
-    """Return the per-user private directory the sockets live in when none is configured."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "kvsidecar"
-    return Path(f"/tmp/kvsidecar-{os.getuid()}")
-
-
 def _parse(setting: Setting, raw: object, source: str) -> Any:
     """Convert a raw value (TOML value or env string) to the setting's type."""
     kind = setting.type
@@ -319,7 +312,7 @@ class Config:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
         object.__setattr__(self, "runtime_dir", runtime_dir)
         if not self.endpoint:
-            object.__setattr__(self, "endpoint", f"ipc://{runtime_dir}/control.sock")
+            object.__setattr__(self, "endpoint", control_endpoint(runtime_dir))
         if not self.fd_socket:
             object.__setattr__(self, "fd_socket", f"{runtime_dir}/fd.sock")
         if not self.endpoint.startswith(("ipc://", "tcp://")):

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import IdsDtype
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import IdsDtype
 
 _DTYPES: dict[str, np.dtype[np.signedinteger]] = {
     "int32": np.dtype("<i4"),

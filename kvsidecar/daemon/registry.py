@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsidecar import layout
-from kvsidecar.errors import SidecarError
+from kvsidecar.core import layout
 from kvsidecar.memory.base import MappedBuffer
 from kvsidecar.memory.host_pool import BlockIdAllocator
-from kvsidecar.protocol import (
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
     BufferDescriptor,
     BufferInfo,
     BufferSetRef,
@@ -170,7 +170,7 @@ class Registry:
         self.engines: dict[str, Engine] = {}
         self.workers: dict[WorkerRef, Worker] = {}
         self.derived: dict[Hashable, object] = {}
-        """What commands compute from registered buffers and reuse (`kvsidecar.jobs` move
+        """What commands compute from registered buffers and reuse (`kvsidecar.daemon.jobs` move
         plans). Emptied on every `add` and `remove`, so nothing in it outlives a release or
         refers to a replaced registration."""
 

@@ -1,6 +1,6 @@
 """Completion aggregation as a daemon service: workers report per step, the scheduler collects.
 
-The pure counting is `kvsidecar.aggregator.CompletionAggregator` (the reference's
+The pure counting is `kvsidecar.core.aggregator.CompletionAggregator` (the reference's
 ``KVOutputAggregator`` semantics, duplicate suppression, dead-worker crediting). This module is
 what turns it into a service on the daemon's event loop:
 
@@ -48,9 +48,9 @@ from typing import TypeVar
 
 import msgspec
 
-from kvsidecar.aggregator import CompletionAggregator
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import (
+from kvsidecar.core.aggregator import CompletionAggregator
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
     BufferSetRef,
     Collect,
     Collected,

@@ -25,13 +25,14 @@ endpoint with CurveZMQ pass ``curve=(daemon_public_key, client_key_pair)`` or se
 
 from __future__ import annotations
 
-# The clients live in package-private modules, one owner each: `kvsidecar._client_common` (codec,
-# tensor export, request building), `kvsidecar._client_sync`, `kvsidecar._client_async`.
-from kvsidecar._client_async import AsyncSidecarClient
-from kvsidecar._client_common import Ids, default_endpoint, export_layers
-from kvsidecar._client_sync import SidecarClient
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import BufferSetRef, WorkerRef
+# The clients live in package-private modules, one owner each: `kvsidecar.client.common` (codec,
+# tensor export, request building), `kvsidecar.client.sync`, `kvsidecar.client.aio`.
+from kvsidecar.client.aio import AsyncSidecarClient
+from kvsidecar.client.common import Ids, export_layers
+from kvsidecar.client.sync import SidecarClient
+from kvsidecar.wire.endpoints import default_endpoint
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import BufferSetRef, WorkerRef
 
 __all__ = [
     "AsyncSidecarClient",

@@ -5,7 +5,7 @@ layers, its host mirror), ``unregister``, ``heartbeat``, ``grant``; and the two 
 leaves without asking: its fd channel closes, or its lease runs out (`Registration._lease_loop`).
 `Registration._release` is the one way out for all of them.
 
-A mixin of `kvsidecar.daemon.Daemon`, which owns the state declared below and sets it in
+A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below and sets it in
 ``__init__`` / ``startup``; ``_dispatch`` there calls these handlers.
 """
 
@@ -20,19 +20,21 @@ from typing import Any
 
 import msgspec
 
-from kvsidecar import __version__, layout
-from kvsidecar.access import AccessControl  # security
-from kvsidecar.completions import CompletionService
-from kvsidecar.config import Config
-from kvsidecar.errors import SidecarError
-from kvsidecar.executor import CopyExecutor
+from kvsidecar import __version__
+from kvsidecar.core import layout
+from kvsidecar.daemon.access import AccessControl  # security
+from kvsidecar.daemon.completions import CompletionService
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.daemon.observability import Observability
+from kvsidecar.daemon.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
 from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
 from kvsidecar.memory.shm import ShmHandle, open_shm_all
-from kvsidecar.observability import Observability
-from kvsidecar.protocol import (
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     BufferDescriptor,
     CudaIpcRef,
@@ -48,7 +50,6 @@ from kvsidecar.protocol import (
     Unregister,
     WorkerRef,
 )
-from kvsidecar.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 
@@ -92,7 +93,7 @@ class Registration:
         return Ok(id=req.id)
 
     def _grant(self, req: Grant) -> Ok:
-        """Let ``req.grantee`` use the owner's engine (read and/or write; see kvsidecar.access)."""
+        """Let ``req.grantee`` use the owner's engine (read and/or write; see `access`)."""
         self.registry.worker(req.owner)
         if not req.grantee:
             raise SidecarError("invalid_message", "grantee must not be empty")

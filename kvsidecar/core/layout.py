@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.protocol import Arrangement, BufferDescriptor, MemoryOrder
+from kvsidecar.wire.protocol import Arrangement, BufferDescriptor, MemoryOrder
 
 __all__ = [
     "BlockIds",

@@ -1,6 +1,6 @@
-"""The daemon's metrics and probes: what `kvsidecar.metrics` needs from a running daemon.
+"""The daemon's metrics and probes: what `kvsidecar.daemon.metrics` needs from a running daemon.
 
-`kvsidecar.metrics` defines the metrics and the HTTP endpoint and knows nothing of the daemon;
+`metrics` defines the metrics and the HTTP endpoint and knows nothing of the daemon;
 this module is the glue, so that ``daemon.py`` only calls a handful of methods:
 
 - `Observability` owns the daemon's `CollectorRegistry` (never the process-global one), its
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from kvsidecar.config import Config
-from kvsidecar.metrics import (
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.metrics import (
     DaemonMetrics,
     LayoutFixKind,
     MetricsServer,
@@ -31,8 +31,8 @@ from kvsidecar.metrics import (
     StateProvider,
     StateSnapshot,
 )
-from kvsidecar.protocol import BufferDescriptor, BufferSetRef, Error, Move, Reply
-from kvsidecar.registry import Registry
+from kvsidecar.daemon.registry import Registry
+from kvsidecar.wire.protocol import BufferDescriptor, BufferSetRef, Error, Move, Reply
 
 __all__ = [
     "Observability",
@@ -47,7 +47,7 @@ log = logging.getLogger("kvsidecar.observability")
 
 
 class _HealthAdapter:
-    """Adapts a readiness callable to `kvsidecar.metrics.HealthProvider`."""
+    """Adapts a readiness callable to `kvsidecar.daemon.metrics.HealthProvider`."""
 
     def __init__(self, ready: Callable[[], Readiness]) -> None:
         self._ready = ready
@@ -147,7 +147,7 @@ def move_kind(src: BufferSetRef, dst: BufferSetRef) -> MoveKind:
 def fix_kind(src: BufferDescriptor, dst: BufferDescriptor) -> LayoutFixKind | None:
     """Which receive-side fix a raw copy from ``src`` into ``dst`` layout needs, if any.
 
-    Mirrors `kvsidecar.jobs`: a fix when the memory orders differ, or when the destination's
+    Mirrors `kvsidecar.daemon.jobs`: a fix when the memory orders differ, or when the destination's
     blocks hold several source blocks and are HND (token-major concatenation is then wrong).
     """
     if src.arrangement == "mla" or src.num_heads == 1:

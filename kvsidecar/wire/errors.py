@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvsidecar.protocol import ErrorCode
+from kvsidecar.wire.protocol import ErrorCode
 
 
 class SidecarError(Exception):
-    """A command failed with a typed ``code`` (one of `kvsidecar.protocol.ErrorCode`).
+    """A command failed with a typed ``code`` (one of `kvsidecar.wire.protocol.ErrorCode`).
 
     The daemon raises it while validating a command and turns it into an ``Error`` reply; the
     client raises it when such a reply arrives (or on a local timeout, code ``timeout``).

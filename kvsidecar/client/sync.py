@@ -1,6 +1,6 @@
 """The blocking client, `SidecarClient`: one socket, calls in turn, a heartbeat thread.
 
-Requests are built by `kvsidecar._client_common._Base`; this module only carries them (``_call``),
+Requests are built by `kvsidecar.client.common._Base`; this module only carries them (``_call``),
 reconnects after a daemon restart, and runs the heartbeat. Import it from `kvsidecar.client`.
 """
 
@@ -15,12 +15,12 @@ from typing import Any, Literal
 import torch
 import zmq
 
-from kvsidecar import layout
-from kvsidecar._client_common import Ids, R, T, _Base, _Call, _check
-from kvsidecar.auth import KeyPair
-from kvsidecar.errors import SidecarError
-from kvsidecar.framing import IdArray
-from kvsidecar.protocol import (
+from kvsidecar.client.common import Ids, R, T, _Base, _Call, _check
+from kvsidecar.core import layout
+from kvsidecar.wire.curve import KeyPair
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray
+from kvsidecar.wire.protocol import (
     Arrangement,
     BufferSetRef,
     CacheEvents,

@@ -21,11 +21,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar import integrity, layout, mover
-from kvsidecar.errors import SidecarError
-from kvsidecar.framing import IdArray
-from kvsidecar.protocol import BufferDescriptor, FixLayout, MemoryOrder, Move
-from kvsidecar.registry import BufferSet, LayerBuffer, Registry
+from kvsidecar.core import integrity, layout, mover
+from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray
+from kvsidecar.wire.protocol import BufferDescriptor, FixLayout, MemoryOrder, Move
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def prepare_move(
 ) -> Job:
     """Check a move completely and return its job; raises `SidecarError` on any problem.
 
-    ``checksum``: verify the raw copy with `kvsidecar.integrity` (before any layout fix).
+    ``checksum``: verify the raw copy with `kvsidecar.core.integrity` (before any layout fix).
     """
     src = registry.buffer_set(cmd.src)
     dst = registry.buffer_set(cmd.dst)

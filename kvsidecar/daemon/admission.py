@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import WorkerRef
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import WorkerRef
 
 
 @dataclass(frozen=True)

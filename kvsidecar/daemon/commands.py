@@ -1,10 +1,10 @@
 """Commands on registered memory: moves, layout fixes, host blocks, status.
 
-``move`` and ``fix_layout`` are checked here (`kvsidecar.jobs`) and run on the `CopyExecutor`;
+``move`` and ``fix_layout`` are checked here (`jobs`) and run on the `CopyExecutor`;
 `Commands._run_job` answers them (from the copy thread on success) and hands back the outcome.
 ``host_alloc`` / ``host_free`` hand out an engine's host-pool block ids; ``status`` reports.
 
-A mixin of `kvsidecar.daemon.Daemon`, which owns the state declared below and sets it in
+A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below and sets it in
 ``__init__`` / ``startup``; ``_dispatch`` there calls these handlers.
 """
 
@@ -17,18 +17,19 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from kvsidecar import __version__
-from kvsidecar.admission import Admission  # reliability
-from kvsidecar.completions import CompletionService
-from kvsidecar.config import Config
-from kvsidecar.errors import SidecarError
-from kvsidecar.executor import CopyExecutor
-from kvsidecar.framing import IdArray, decode_ids, encode_ids
-from kvsidecar.jobs import Job, prepare_move
+from kvsidecar.daemon.admission import Admission  # reliability
+from kvsidecar.daemon.completions import CompletionService
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.daemon.jobs import Job, prepare_move
+from kvsidecar.daemon.metrics import LayoutFixKind
+from kvsidecar.daemon.observability import Observability, move_fix_kind, move_kind
+from kvsidecar.daemon.registry import Registry, Worker
 from kvsidecar.memory.base import HandleError
 from kvsidecar.memory.host_pool import HostPool
-from kvsidecar.metrics import LayoutFixKind
-from kvsidecar.observability import Observability, move_fix_kind, move_kind
-from kvsidecar.protocol import (
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray, decode_ids, encode_ids
+from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     Error,
     Fixed,
@@ -43,7 +44,6 @@ from kvsidecar.protocol import (
     StatusReply,
     WorkerRef,
 )
-from kvsidecar.registry import Registry, Worker
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 
@@ -297,7 +297,7 @@ class Commands:
 
 
 class ReplySink(Protocol):
-    """Where a request's one reply goes (`kvsidecar.daemon`): whoever claims it first sends.
+    """Where a request's one reply goes (`kvsidecar.daemon.server`): whoever claims it first sends.
 
     `send` claims and sends in one step; `claim` then `deliver` let the loop claim first and
     decide the reply afterwards, knowing that no copy thread can answer in between.

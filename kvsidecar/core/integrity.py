@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvsidecar.framing import IdArray
+from kvsidecar.wire.framing import IdArray
 
 
 @dataclass
@@ -69,7 +69,7 @@ def verified_copy(
     """Run ``copy`` between a source and a destination checksum; record mismatches in ``result``.
 
     ``src_ids[i]`` was copied into destination sub-block ``dst_ids[i]`` (sub-blocks: the
-    destination's blocks split ``ratio`` ways, as in `kvsidecar.jobs`); a mismatch invalidates
+    destination's blocks split ``ratio`` ways, as the daemon plans moves); a mismatch invalidates
     destination block ``dst_ids[i] // ratio``.
     """
     if not (checkable(src_views) and checkable(dst_views)):

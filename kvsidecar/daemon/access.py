@@ -19,8 +19,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvsidecar.errors import SidecarError
-from kvsidecar.protocol import WorkerRef
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import WorkerRef
 
 
 @dataclass(frozen=True)

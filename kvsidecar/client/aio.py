@@ -1,6 +1,6 @@
 """The asyncio client, `AsyncSidecarClient`: concurrent calls matched to replies by request id.
 
-Requests are built by `kvsidecar._client_common._Base`; this module only carries them (``_call``
+Requests are built by `kvsidecar.client.common._Base`; this module only carries them (``_call``
 and a reader callback on the socket), watches the fd channel, reconnects after a daemon restart,
 and runs the heartbeat task. Import it from `kvsidecar.client`.
 
@@ -23,12 +23,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar import layout, zmqio
-from kvsidecar._client_common import Ids, R, T, _Base, _Call, _check
-from kvsidecar.auth import KeyPair
-from kvsidecar.errors import SidecarError
-from kvsidecar.framing import IdArray
-from kvsidecar.protocol import (
+from kvsidecar.client.common import Ids, R, T, _Base, _Call, _check
+from kvsidecar.core import layout
+from kvsidecar.wire import zmqio
+from kvsidecar.wire.curve import KeyPair
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray
+from kvsidecar.wire.protocol import (
     Arrangement,
     BufferSetRef,
     CacheEvents,

@@ -15,8 +15,8 @@ and answers every other outcome from the executor's completion callback (no task
 move a task's loop iterations cost as much as the copy). The rest (register, unregister, pulls)
 become tasks.
 
-The handlers live with their owners: `kvsidecar.registration` (hello, register, unregister,
-heartbeat, grant; leases and the release of workers) and `kvsidecar.commands` (moves, fixes,
+The handlers live with their owners: `kvsidecar.daemon.registration` (hello, register, unregister,
+heartbeat, grant; leases and the release of workers) and `kvsidecar.daemon.commands` (moves, fixes,
 host alloc/free, status), both mixins of `Daemon`. This module keeps the lifecycle, the socket
 edge, access checks and dispatch.
 """
@@ -42,22 +42,31 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvsidecar import __version__, zmqio
-from kvsidecar.access import AccessControl, Principal  # security
-from kvsidecar.admission import Admission  # reliability
-from kvsidecar.auth import CONTROL_DOMAIN, ZapHandler, control_transport, secure_server_socket
-from kvsidecar.commands import Commands, reply_of
-from kvsidecar.completions import CompletionService
-from kvsidecar.config import Config
-from kvsidecar.errors import SidecarError
-from kvsidecar.executor import CopyExecutor, call_soon_from_thread
-from kvsidecar.jobs import prepare_fix
+from kvsidecar import __version__
+from kvsidecar.daemon.access import AccessControl, Principal  # security
+from kvsidecar.daemon.admission import Admission  # reliability
+from kvsidecar.daemon.auth import (
+    CONTROL_DOMAIN,
+    ZapHandler,
+    control_transport,
+    secure_server_socket,
+)
+from kvsidecar.daemon.commands import Commands, reply_of
+from kvsidecar.daemon.completions import CompletionService
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
+from kvsidecar.daemon.jobs import prepare_fix
+from kvsidecar.daemon.metrics import Readiness, StateSnapshot
+from kvsidecar.daemon.observability import Observability, readiness, snapshot
+from kvsidecar.daemon.registration import Registration, _check_version
+from kvsidecar.daemon.registry import Registry, check_epoch
+from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
-from kvsidecar.metrics import Readiness, StateSnapshot
-from kvsidecar.observability import Observability, readiness, snapshot
 from kvsidecar.peer.service import PeerService  # peer
-from kvsidecar.protocol import (  # peer
+from kvsidecar.wire import zmqio
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (  # peer
     REQUEST_TAGS,
     Collect,
     Envelope,
@@ -81,9 +90,6 @@ from kvsidecar.protocol import (  # peer
     TakePeerEvents,
     Unregister,
 )
-from kvsidecar.registration import Registration, _check_version
-from kvsidecar.registry import Registry, check_epoch
-from kvsidecar.sdnotify import Notifier, watchdog_loop
 
 log = logging.getLogger("kvsidecar.daemon")
 
@@ -99,7 +105,7 @@ _BURST = 64
 class _Reply:
     """Where one request's reply goes: sent once, from the loop or from a copy thread.
 
-    A `kvsidecar.commands.ReplySink`. A copy thread and the loop may both try to answer (a
+    A `kvsidecar.daemon.commands.ReplySink`. A copy thread and the loop may both try to answer (a
     move that finished just as its worker was released); a lock decides who does, and what
     was sent stays readable so that the loop's bookkeeping matches what the client got.
     """
@@ -520,7 +526,7 @@ class Daemon(Registration, Commands):
         return self.access.principal(ident, str(user))
 
     def _authorize(self, req: Request, ident: bytes, frame: zmq.Frame) -> None:
-        """Raise ``forbidden`` unless the connection may do ``req`` (see kvsidecar.access)."""
+        """Raise ``forbidden`` unless the connection may do ``req`` (see `access`)."""
         if isinstance(req, Hello | Status | Heartbeat):
             return
         who = self._principal(ident, frame)
@@ -678,7 +684,7 @@ class Daemon(Registration, Commands):
     # ------------------------------------------------------------------ metrics and completions
 
     def metrics_state(self) -> StateSnapshot:
-        """`kvsidecar.metrics.StateProvider`: live state, read at every scrape."""
+        """`kvsidecar.daemon.metrics.StateProvider`: live state, read at every scrape."""
         pool, executor = self._pool, self._executor
         return snapshot(
             self.registry,
@@ -689,7 +695,7 @@ class Daemon(Registration, Commands):
         )
 
     def readiness(self) -> Readiness:
-        """`kvsidecar.metrics.HealthProvider`: what ``/readyz`` decides on."""
+        """`kvsidecar.daemon.metrics.HealthProvider`: what ``/readyz`` decides on."""
         return readiness(
             sockets_bound=self._sock is not None and self.started.is_set(),
             pool_needed=self.config.host_pool_bytes > 0,
