@@ -136,7 +136,7 @@ class _Worker:
         }
 
     def _send(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from kvsidecar.wire.protocol import BufferSetRef, WorkerRef
+        from kvsidecar.wire.types import BufferSetRef, WorkerRef
 
         dst = BufferSetRef(WorkerRef("decode", tp_rank=self.rank))
         moved = self.client.move(

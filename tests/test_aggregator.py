@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.core.aggregator import DEDUP_WINDOW, CompletionAggregator, WorkerFailure
-from kvsidecar.wire.protocol import (
+from kvsidecar.wire.reports import (
     AggregatedOutput,
     CacheEvent,
     CacheEvents,

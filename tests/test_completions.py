@@ -21,14 +21,9 @@ import pytest
 from kvsidecar.client import SidecarClient
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import (
-    BufferSetRef,
-    Collect,
-    Collected,
-    PeerCompletion,
-    Report,
-    WorkerRef,
-)
+from kvsidecar.wire.protocol import Collect, Collected, Report
+from kvsidecar.wire.reports import PeerCompletion
+from kvsidecar.wire.types import BufferSetRef, WorkerRef
 from tests.harness import LineChild, daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(60)

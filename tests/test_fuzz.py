@@ -30,17 +30,13 @@ from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     REQUEST_TAGS,
-    BufferDescriptor,
     Collect,
-    CudaIpcRef,
     FixLayout,
     Grant,
     Heartbeat,
     Hello,
     HostAlloc,
     HostFree,
-    LayerSpec,
-    LayoutSpec,
     Move,
     Publish,
     Pull,
@@ -48,11 +44,11 @@ from kvsidecar.wire.protocol import (
     Register,
     Reply,
     Report,
-    ShmRef,
     Status,
     TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, LayoutSpec, ShmRef
 from tests.harness import DaemonProcess, daemon_process, make_config
 
 BATCH = 50

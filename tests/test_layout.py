@@ -35,7 +35,7 @@ from kvsidecar.core.layout import (
     torch_dtype,
     view_buffer,
 )
-from kvsidecar.wire.protocol import BufferDescriptor
+from kvsidecar.wire.types import BufferDescriptor
 
 pytestmark = pytest.mark.timeout(60)
 

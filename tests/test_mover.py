@@ -22,7 +22,7 @@ from kvsidecar.core.mover import (
     plan_runs,
     validate_move,
 )
-from kvsidecar.wire.protocol import ERROR_CODES
+from kvsidecar.wire.errors import ERROR_CODES
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 if hasattr(torch, "float8_e4m3fn"):

@@ -8,26 +8,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.errors import ERROR_CODES, SidecarError
 from kvsidecar.wire.framing import decode_ids, encode_ids
 from kvsidecar.wire.protocol import (
-    ERROR_CODES,
     REQUEST_TAGS,
-    BufferDescriptor,
-    BufferSetRef,
     Error,
     FixLayout,
     Heartbeat,
     Hello,
     HostAlloc,
-    LayerSpec,
-    LayoutSpec,
     Move,
     Register,
     Reply,
     Request,
-    ShmRef,
     Status,
+)
+from kvsidecar.wire.types import (
+    BufferDescriptor,
+    BufferSetRef,
+    LayerSpec,
+    LayoutSpec,
+    ShmRef,
     WorkerRef,
 )
 

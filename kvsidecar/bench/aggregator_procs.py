@@ -41,7 +41,9 @@ from kvsidecar.bench.common import Figure, Options, note
 from kvsidecar.client import SidecarClient
 from kvsidecar.core.aggregator import CompletionAggregator
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.wire.protocol import Report, WorkerRef, WorkerReport
+from kvsidecar.wire.protocol import Report
+from kvsidecar.wire.reports import WorkerReport
+from kvsidecar.wire.types import WorkerRef
 
 WORKERS = 8
 

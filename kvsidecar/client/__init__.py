@@ -32,7 +32,7 @@ from kvsidecar.client.common import Ids, export_layers
 from kvsidecar.client.sync import SidecarClient
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import BufferSetRef, WorkerRef
+from kvsidecar.wire.types import BufferSetRef, WorkerRef
 
 __all__ = [
     "AsyncSidecarClient",

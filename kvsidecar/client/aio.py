@@ -30,25 +30,19 @@ from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
-    Arrangement,
-    BufferSetRef,
-    CacheEvents,
     Collected,
     Fixed,
     HelloReply,
-    Medium,
-    MemoryOrder,
     Moved,
-    PeerCompletion,
     Pulled,
     Registered,
     Reply,
     Reported,
     Request,
     StatusReply,
-    TransferStats,
-    WorkerRef,
 )
+from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
+from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder, WorkerRef
 
 __all__ = ["AsyncSidecarClient"]
 

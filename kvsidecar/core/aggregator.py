@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvsidecar.wire.protocol import AggregatedOutput, CacheEvents, TransferStats, WorkerReport
+from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, TransferStats, WorkerReport
 
 DEDUP_WINDOW = 64
 """Steps per worker below the highest accepted step that are still told apart from duplicates."""

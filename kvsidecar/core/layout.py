@@ -1,6 +1,6 @@
 """KV-cache layouts: descriptors, zero-copy views and the receive-side layout fixes.
 
-Vocabulary (the same as ``protocol.BufferDescriptor``):
+Vocabulary (the same as ``types.BufferDescriptor``):
 
 - ``B`` blocks, ``N`` tokens per block, ``H`` KV heads, ``C`` head size.
 - The *logical shape* is what the engine indexes: ``(2, B, N, H, C)`` (``kv_first``,
@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.wire.protocol import Arrangement, BufferDescriptor, MemoryOrder
+from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
 __all__ = [
     "BlockIds",

@@ -59,7 +59,7 @@ MoveErrorCode = Literal[
     "duplicate_destination",
     "incompatible_buffers",
 ]
-"""Why a move was refused. Every value is also a `kvsidecar.wire.protocol.ErrorCode`, so the daemon
+"""Why a move was refused. Every value is also a `kvsidecar.wire.errors.ErrorCode`, so the daemon
 can reply with ``MoveError.code`` unchanged.
 
 - ``invalid_message``: an id array is not a 1-D array of integers, or (``aliased`` moves) a block

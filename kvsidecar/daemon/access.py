@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import WorkerRef
+from kvsidecar.wire.types import WorkerRef
 
 
 @dataclass(frozen=True)

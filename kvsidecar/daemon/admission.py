@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import WorkerRef
+from kvsidecar.wire.types import WorkerRef
 
 
 @dataclass(frozen=True)

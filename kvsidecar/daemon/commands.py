@@ -42,8 +42,8 @@ from kvsidecar.wire.protocol import (
     Reply,
     Status,
     StatusReply,
-    WorkerRef,
 )
+from kvsidecar.wire.types import WorkerRef
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 

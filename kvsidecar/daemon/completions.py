@@ -50,16 +50,9 @@ import msgspec
 
 from kvsidecar.core.aggregator import CompletionAggregator
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import (
-    BufferSetRef,
-    Collect,
-    Collected,
-    PeerCompletion,
-    Report,
-    Reported,
-    WorkerRef,
-    WorkerReport,
-)
+from kvsidecar.wire.protocol import Collect, Collected, Report, Reported
+from kvsidecar.wire.reports import PeerCompletion, WorkerReport
+from kvsidecar.wire.types import BufferSetRef, WorkerRef
 
 __all__ = ["MAX_COLLECT_WAIT_S", "CompletionService"]
 

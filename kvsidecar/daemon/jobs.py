@@ -25,7 +25,8 @@ from kvsidecar.core import integrity, layout, mover
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import BufferDescriptor, FixLayout, MemoryOrder, Move
+from kvsidecar.wire.protocol import FixLayout, Move
+from kvsidecar.wire.types import BufferDescriptor, MemoryOrder
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from kvsidecar.daemon.metrics import (
     StateSnapshot,
 )
 from kvsidecar.daemon.registry import Registry
-from kvsidecar.wire.protocol import BufferDescriptor, BufferSetRef, Error, Move, Reply
+from kvsidecar.wire.protocol import Error, Move, Reply
+from kvsidecar.wire.types import BufferDescriptor, BufferSetRef
 
 __all__ = [
     "Observability",

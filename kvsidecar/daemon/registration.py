@@ -36,8 +36,6 @@ from kvsidecar.memory.shm import ShmHandle, open_shm_all
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
-    BufferDescriptor,
-    CudaIpcRef,
     Grant,
     Heartbeat,
     Hello,
@@ -46,10 +44,9 @@ from kvsidecar.wire.protocol import (
     Register,
     Registered,
     Reply,
-    ShmRef,
     Unregister,
-    WorkerRef,
 )
+from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, ShmRef, WorkerRef
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 

@@ -19,7 +19,7 @@ from kvsidecar.core import layout
 from kvsidecar.memory.base import MappedBuffer
 from kvsidecar.memory.host_pool import BlockIdAllocator
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import (
+from kvsidecar.wire.types import (
     BufferDescriptor,
     BufferInfo,
     BufferSetRef,

@@ -66,7 +66,7 @@ from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import (  # peer
+from kvsidecar.wire.protocol import (
     REQUEST_TAGS,
     Collect,
     Envelope,
@@ -78,7 +78,6 @@ from kvsidecar.wire.protocol import (  # peer
     HostAlloc,
     HostFree,
     Move,
-    PeerCompletion,
     Publish,
     Pull,
     Register,
@@ -90,6 +89,7 @@ from kvsidecar.wire.protocol import (  # peer
     TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.reports import PeerCompletion
 
 log = logging.getLogger("kvsidecar.daemon")
 

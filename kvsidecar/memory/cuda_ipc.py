@@ -23,7 +23,7 @@ import torch
 
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
 from kvsidecar.memory.shm import _as_flat, byte_span
-from kvsidecar.wire.protocol import CudaIpcRef
+from kvsidecar.wire.types import CudaIpcRef
 
 _Storage: Any = torch.UntypedStorage
 """torch's private storage APIs behind one untyped name (torch has no stubs for them)."""
@@ -31,7 +31,7 @@ _cuda: Any = torch.cuda
 
 
 CudaIpcHandle = CudaIpcRef
-"""A CUDA tensor's IPC export: the wire type `kvsidecar.wire.protocol.CudaIpcRef`."""
+"""A CUDA tensor's IPC export: the wire type `kvsidecar.wire.types.CudaIpcRef`."""
 
 
 def _require_cuda() -> None:

@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
-from kvsidecar.wire.protocol import ShmRef
+from kvsidecar.wire.types import ShmRef
 
 _Storage: Any = torch.UntypedStorage
 """torch's private storage APIs behind one untyped name (torch has no stubs for them)."""
@@ -33,7 +33,7 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 ShmHandle = ShmRef
-"""One CPU tensor's place inside a shared storage: the wire type `protocol.ShmRef`."""
+"""One CPU tensor's place inside a shared storage: the wire type `types.ShmRef`."""
 
 
 def _as_flat(storage: torch.UntypedStorage) -> torch.Tensor:

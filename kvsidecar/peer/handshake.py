@@ -21,7 +21,7 @@ from kvsidecar.core import layout
 from kvsidecar.core.topology import EngineTransferInfo
 from kvsidecar.daemon.registry import Engine, Worker
 from kvsidecar.peer.messages import CompatInfo, PeerEngine, PeerWorker
-from kvsidecar.wire.protocol import Medium
+from kvsidecar.wire.types import Medium
 
 
 class IncompatiblePeer(Exception):

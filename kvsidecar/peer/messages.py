@@ -21,7 +21,7 @@ from typing import Literal
 import msgspec
 
 from kvsidecar.core.topology import EngineTransferInfo
-from kvsidecar.wire.protocol import Arrangement, BufferDescriptor, MemoryOrder
+from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
 PEER_PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the messages below."""

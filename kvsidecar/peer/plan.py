@@ -33,7 +33,7 @@ import numpy.typing as npt
 from kvsidecar.core import layout
 from kvsidecar.core.topology import EngineTransferInfo, TopologyError, TransferTopology
 from kvsidecar.peer.messages import PeerEngine, PeerWorker
-from kvsidecar.wire.protocol import BufferDescriptor, MemoryOrder
+from kvsidecar.wire.types import BufferDescriptor, MemoryOrder
 
 I64 = npt.NDArray[np.int64]
 

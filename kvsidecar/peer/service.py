@@ -69,17 +69,9 @@ from kvsidecar.peer.planes import DataPlane, ReadTarget
 from kvsidecar.peer.zmq_plane import ZmqPlane, serve_read
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import (
-    Ok,
-    PeerCompletion,
-    PeerEvents,
-    Publish,
-    Pull,
-    Pulled,
-    Reply,
-    TakePeerEvents,
-    WorkerRef,
-)
+from kvsidecar.wire.protocol import Ok, PeerEvents, Publish, Pull, Pulled, Reply, TakePeerEvents
+from kvsidecar.wire.reports import PeerCompletion
+from kvsidecar.wire.types import WorkerRef
 
 log = logging.getLogger("kvsidecar.peer")
 

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import IdsDtype
+from kvsidecar.wire.types import IdsDtype
 
 _DTYPES: dict[str, np.dtype[np.signedinteger]] = {
     "int32": np.dtype("<i4"),

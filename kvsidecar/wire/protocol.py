@@ -1,120 +1,34 @@
-"""Wire types of kvsidecar, defined once.
+"""The control protocol: every command and reply on the daemon's socket, in two tagged unions.
 
-Every message that crosses a socket is a `msgspec.Struct` here. Schema evolution follows msgspec's
-rules: new fields go at the end and carry defaults; a field's type never changes. Bulk data (block
-ids, block bytes) never travels inside these structs: it rides in raw frames next to them.
+Every message that crosses the control socket is a `msgspec.Struct` here; the values they are made
+of live in `kvsidecar.wire.types` (descriptors, references, handles, status entries),
+`kvsidecar.wire.reports` (completion reports) and `kvsidecar.wire.errors` (error codes).
+Schema evolution follows msgspec's rules: new fields go at the end and carry defaults; a field's
+type never changes. Bulk data (block ids, block bytes) never travels inside these structs: it
+rides in raw frames next to them.
 """
 
 from __future__ import annotations
 
 import typing
-from typing import ClassVar, Literal
+from typing import Literal
 
 import msgspec
 
+from kvsidecar.wire.errors import ErrorCode
+from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, PeerCompletion, TransferStats
+from kvsidecar.wire.types import (
+    BufferSetRef,
+    EngineInfo,
+    IdsDtype,
+    LayerSpec,
+    LayoutSpec,
+    Medium,
+    WorkerRef,
+)
+
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the messages below."""
-
-Arrangement = Literal["kv_first", "blocks_first", "split", "mla"]
-"""How K and V sit in one registered tensor.
-
-- ``kv_first``: ``(2, B, N, H, C)`` (FlashAttention)
-- ``blocks_first``: ``(B, 2, N, H, C)`` (FlashInfer)
-- ``split``: ``(B, N, H, C)``, one tensor for K and another for V
-- ``mla``: ``(B, N, C)``, one latent vector per token
-"""
-
-MemoryOrder = Literal["NHD", "HND"]
-"""Memory order inside one block: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
-
-
-class BufferDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one registered KV tensor holds and how its bytes are laid out.
-
-    The logical shape is always the engine's view (block dim, then tokens, then heads); the memory
-    order says whether tokens or heads vary slower inside a block. MLA buffers have no head dim:
-    ``num_heads`` is 1 and ``memory_order`` is irrelevant (NHD by convention).
-    """
-
-    arrangement: Arrangement
-    memory_order: MemoryOrder
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix, e.g. ``"float16"``."""
-    num_blocks: int
-    block_size: int
-    """Tokens per block."""
-    num_heads: int
-    head_size: int
-
-
-class TransferStats(msgspec.Struct, frozen=True):
-    """Mergeable per-worker transfer statistics (the reference's ``kv_connector_stats``).
-
-    Counters add up when merged; nothing is averaged, so rates stay byte-weighted.
-    """
-
-    counters: dict[str, float] = {}
-
-    def aggregate(self, other: TransferStats) -> TransferStats:
-        """Return the sum of both sets of counters."""
-        merged = dict(self.counters)
-        for key, value in other.counters.items():
-            merged[key] = merged.get(key, 0.0) + value
-        return TransferStats(merged)
-
-    def is_empty(self) -> bool:
-        """Return True when no counter was recorded."""
-        return not self.counters
-
-
-class CacheEvent(msgspec.Struct, frozen=True):
-    """One KV-cache event (block stored or removed) reported by a worker."""
-
-    kind: Literal["stored", "removed", "cleared"]
-    block_hashes: tuple[int, ...] = ()
-
-
-class CacheEvents(msgspec.Struct, frozen=True):
-    """Mergeable list of cache events with the number of workers that contributed."""
-
-    events: tuple[CacheEvent, ...] = ()
-    num_workers: int = 1
-
-    def merge(self, other: CacheEvents) -> CacheEvents:
-        """Append the other worker's events and count its contribution."""
-        return CacheEvents(self.events + other.events, self.num_workers + other.num_workers)
-
-
-class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One worker's completion report for one step (the reference's ``KVConnectorOutput``).
-
-    ``worker_id`` and ``step`` identify the report, so that a retried delivery counts once.
-    ``expected_finished_count`` of 0 means "unchanged".
-    """
-
-    worker_id: str
-    step: int
-    finished_sending: frozenset[str] = frozenset()
-    finished_recving: frozenset[str] = frozenset()
-    invalid_block_ids: frozenset[int] = frozenset()
-    failed_recving: frozenset[str] = frozenset()
-    expected_finished_count: int = 0
-    kv_connector_stats: TransferStats | None = None
-    kv_cache_events: CacheEvents | None = None
-
-
-class AggregatedOutput(msgspec.Struct, frozen=True):
-    """What the engine's scheduler sees for one step, merged over every worker."""
-
-    step: int
-    finished_sending: frozenset[str] | None = None
-    finished_recving: frozenset[str] | None = None
-    invalid_block_ids: frozenset[int] = frozenset()
-    failed_recving: frozenset[str] = frozenset()
-    expected_finished_count: int = 0
-    kv_connector_stats: TransferStats | None = None
-    kv_cache_events: CacheEvents | None = None
-
 
 # ---------------------------------------------------------------------------------------------
 # Control protocol: commands from engine workers and the replies of the daemon.
@@ -125,151 +39,6 @@ class AggregatedOutput(msgspec.Struct, frozen=True):
 # shape, ``[header, *data]`` with a msgpack-encoded `Reply`. The ROUTER's routing-id frame is
 # added and stripped by ZeroMQ and is not part of this schema.
 # ---------------------------------------------------------------------------------------------
-
-ErrorCode = Literal[
-    "bad_frame",
-    "unknown_message",
-    "invalid_message",
-    "version_mismatch",
-    "too_large",
-    "unknown_engine",
-    "unknown_worker",
-    "unknown_layer",
-    "already_registered",
-    "incompatible_engine",
-    "handle_error",
-    "out_of_range",
-    "duplicate_destination",
-    "length_mismatch",
-    "incompatible_buffers",
-    "pool_exhausted",
-    "not_allocated",
-    "busy",
-    "shutting_down",
-    "timeout",
-    "internal",
-    # --- peer (node-to-node transfer) ---
-    "incompatible_peer",
-    "peer_unavailable",
-    # --- completion aggregation (kvsidecar/completions.py) ---
-    "stale_epoch",
-    "step_collected",
-    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
-    "forbidden",
-    "worker_lost",
-    "connection_lost",
-]
-"""The closed set of error codes a daemon replies with; docs/protocol.md explains each."""
-
-ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
-"""`ErrorCode` as a set, for checks at run time."""
-
-IdsDtype = Literal["int32", "int64"]
-"""Element type of a raw block-id frame (little-endian, C order)."""
-
-Medium = Literal["device", "host"]
-"""Which buffer set of a worker: its registered KV cache (``device``, whether GPU memory or CPU
-shared memory) or its mirror region in the daemon's host pool (``host``)."""
-
-
-class WorkerRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Names one registered worker: its engine and its ranks. Unique on a daemon."""
-
-    engine_id: str
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dcp_rank: int = 0
-
-    def label(self) -> str:
-        """Short human-readable name, e.g. ``prefill/tp1.pp0.dcp0``."""
-        return f"{self.engine_id}/tp{self.tp_rank}.pp{self.pp_rank}.dcp{self.dcp_rank}"
-
-
-class BufferSetRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One side of a move: a worker's registered layers, or that worker's host-pool mirror."""
-
-    worker: WorkerRef
-    medium: Medium = "device"
-    epoch: int = 0
-    """The worker's registration epoch as the sender knows it (`Registered.epoch`); another
-    current epoch fails the command with ``stale_epoch``. 0: not checked."""
-
-
-class ShmRef(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
-    """A CPU tensor in shared memory whose storage fd was sent on the fd channel.
-
-    Several refs may name the same ``fd_index``: tensors that are views of one storage (many
-    layers in one region) share one fd, sent once and mapped once by the daemon. This is also the
-    handle `kvsidecar.memory.shm` works with (``ShmHandle`` there).
-    """
-
-    fd_index: int
-    """Index of the storage's fd among the fds sent under the registration's ``fd_token``."""
-    storage_nbytes: int
-    """Size of the whole storage (the mapping the daemon makes)."""
-    offset: int
-    """Byte offset of the tensor's first element within the storage."""
-    nbytes: int
-    """Bytes from the tensor's first to one past its last reachable byte (strides included)."""
-
-    kind: ClassVar[Literal["shm"]] = "shm"
-    """The handle's kind (also its tag on the wire)."""
-
-
-class CudaIpcRef(
-    msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind", forbid_unknown_fields=True
-):
-    """A CUDA tensor exported by CUDA IPC, the way torch shares CUDA storages.
-
-    Also the handle `kvsidecar.memory.cuda_ipc` works with (``CudaIpcHandle`` there).
-    """
-
-    device: int
-    """CUDA device index in the worker (the daemon must see the same devices)."""
-    ipc_handle: bytes
-    """``cudaIpcMemHandle_t`` of the allocation the storage lives in."""
-    storage_nbytes: int
-    """Size of the storage."""
-    storage_offset: int
-    """Byte offset of the storage within the CUDA allocation."""
-    ref_counter_handle: bytes
-    """Name of torch's shared reference-counter file."""
-    ref_counter_offset: int
-    """Slot of this export in the reference-counter file."""
-    event_handle: bytes | None
-    """IPC handle of the event to wait on before reading (None when none is needed)."""
-    event_sync_required: bool
-    """Whether the consumer must wait on ``event_handle``."""
-    offset: int
-    """Byte offset of the tensor within its storage."""
-    nbytes: int
-    """Bytes from the tensor's first to one past its last reachable byte."""
-
-    kind: ClassVar[Literal["cuda_ipc"]] = "cuda_ipc"
-    """The handle's kind (also its tag on the wire)."""
-
-    def storage_key(self) -> tuple[bytes, int]:
-        """Identify the storage: handles with equal keys are views of one storage."""
-        return self.ipc_handle, self.storage_offset
-
-
-HandleRef = ShmRef | CudaIpcRef
-"""How the daemon maps a registered layer's memory."""
-
-
-class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One registered KV tensor: its name (unique per worker), its layout, and its handle."""
-
-    name: str
-    descriptor: BufferDescriptor
-    handle: HandleRef
-
-
-class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The layout a worker's blocks were written in by a raw copy (the sender's layout)."""
-
-    memory_order: MemoryOrder
-    block_size: int
 
 
 class _Request(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -586,39 +355,6 @@ class Fixed(_Reply, tag="fixed", frozen=True):
     blocks: int
 
 
-class BufferInfo(msgspec.Struct, frozen=True):
-    """One registered layer as status reports it."""
-
-    name: str
-    kind: str
-    nbytes: int
-    descriptor: BufferDescriptor
-
-
-class WorkerInfo(msgspec.Struct, frozen=True):
-    """One registered worker as status reports it."""
-
-    worker: WorkerRef
-    tp_size: int
-    pp_size: int
-    dcp_size: int
-    layers: list[BufferInfo]
-    nbytes: int
-    host_mirror_bytes: int
-    lease_left_s: float
-    in_flight: int
-
-
-class EngineInfo(msgspec.Struct, frozen=True):
-    """One engine as status reports it."""
-
-    engine_id: str
-    model_hash: str
-    workers: list[WorkerInfo]
-    host_blocks: int
-    host_blocks_used: int
-
-
 class StatusReply(_Reply, tag="status_reply", frozen=True):
     """The daemon's state and its running totals."""
 
@@ -664,23 +400,6 @@ class Pulled(_Reply, tag="pulled", frozen=True):
     plane: str
     error_code: str = ""
     error: str = ""
-
-
-class PeerCompletion(msgspec.Struct, frozen=True):
-    """One completion event of the peer service, for the engine's completion aggregation.
-
-    ``worker`` None means the event covers every rank of the engine (a scheduler's pull, or a
-    producer request that every producer rank finished sending). ``expired_sending`` is the
-    subset of ``finished_sending`` released by lease expiry rather than by reads.
-    """
-
-    engine_id: str
-    worker: WorkerRef | None = None
-    finished_sending: frozenset[str] = frozenset()
-    finished_recving: frozenset[str] = frozenset()
-    failed_recving: frozenset[str] = frozenset()
-    invalid_block_ids: frozenset[int] = frozenset()
-    expired_sending: frozenset[str] = frozenset()
 
 
 class PeerEvents(_Reply, tag="peer_events", frozen=True):

@@ -1,0 +1,183 @@
+"""The value types messages are made of: buffer descriptors, worker and buffer references, handles.
+
+Shared by the daemon, the client and the memory handles (`kvsidecar.memory` opens these
+handles). Schema evolution follows msgspec's rules, as in `kvsidecar.wire.protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import msgspec
+
+Arrangement = Literal["kv_first", "blocks_first", "split", "mla"]
+"""How K and V sit in one registered tensor.
+
+- ``kv_first``: ``(2, B, N, H, C)`` (FlashAttention)
+- ``blocks_first``: ``(B, 2, N, H, C)`` (FlashInfer)
+- ``split``: ``(B, N, H, C)``, one tensor for K and another for V
+- ``mla``: ``(B, N, C)``, one latent vector per token
+"""
+
+MemoryOrder = Literal["NHD", "HND"]
+"""Memory order inside one block: tokens-then-heads (NHD) or heads-then-tokens (HND)."""
+
+
+class BufferDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one registered KV tensor holds and how its bytes are laid out.
+
+    The logical shape is always the engine's view (block dim, then tokens, then heads); the memory
+    order says whether tokens or heads vary slower inside a block. MLA buffers have no head dim:
+    ``num_heads`` is 1 and ``memory_order`` is irrelevant (NHD by convention).
+    """
+
+    arrangement: Arrangement
+    memory_order: MemoryOrder
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``"float16"``."""
+    num_blocks: int
+    block_size: int
+    """Tokens per block."""
+    num_heads: int
+    head_size: int
+
+
+IdsDtype = Literal["int32", "int64"]
+"""Element type of a raw block-id frame (little-endian, C order)."""
+
+Medium = Literal["device", "host"]
+"""Which buffer set of a worker: its registered KV cache (``device``, whether GPU memory or CPU
+shared memory) or its mirror region in the daemon's host pool (``host``)."""
+
+
+class WorkerRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Names one registered worker: its engine and its ranks. Unique on a daemon."""
+
+    engine_id: str
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dcp_rank: int = 0
+
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``prefill/tp1.pp0.dcp0``."""
+        return f"{self.engine_id}/tp{self.tp_rank}.pp{self.pp_rank}.dcp{self.dcp_rank}"
+
+
+class BufferSetRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One side of a move: a worker's registered layers, or that worker's host-pool mirror."""
+
+    worker: WorkerRef
+    medium: Medium = "device"
+    epoch: int = 0
+    """The worker's registration epoch as the sender knows it (`Registered.epoch`); another
+    current epoch fails the command with ``stale_epoch``. 0: not checked."""
+
+
+class ShmRef(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
+    """A CPU tensor in shared memory whose storage fd was sent on the fd channel.
+
+    Several refs may name the same ``fd_index``: tensors that are views of one storage (many
+    layers in one region) share one fd, sent once and mapped once by the daemon. This is also the
+    handle `kvsidecar.memory.shm` works with (``ShmHandle`` there).
+    """
+
+    fd_index: int
+    """Index of the storage's fd among the fds sent under the registration's ``fd_token``."""
+    storage_nbytes: int
+    """Size of the whole storage (the mapping the daemon makes)."""
+    offset: int
+    """Byte offset of the tensor's first element within the storage."""
+    nbytes: int
+    """Bytes from the tensor's first to one past its last reachable byte (strides included)."""
+
+    kind: ClassVar[Literal["shm"]] = "shm"
+    """The handle's kind (also its tag on the wire)."""
+
+
+class CudaIpcRef(
+    msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind", forbid_unknown_fields=True
+):
+    """A CUDA tensor exported by CUDA IPC, the way torch shares CUDA storages.
+
+    Also the handle `kvsidecar.memory.cuda_ipc` works with (``CudaIpcHandle`` there).
+    """
+
+    device: int
+    """CUDA device index in the worker (the daemon must see the same devices)."""
+    ipc_handle: bytes
+    """``cudaIpcMemHandle_t`` of the allocation the storage lives in."""
+    storage_nbytes: int
+    """Size of the storage."""
+    storage_offset: int
+    """Byte offset of the storage within the CUDA allocation."""
+    ref_counter_handle: bytes
+    """Name of torch's shared reference-counter file."""
+    ref_counter_offset: int
+    """Slot of this export in the reference-counter file."""
+    event_handle: bytes | None
+    """IPC handle of the event to wait on before reading (None when none is needed)."""
+    event_sync_required: bool
+    """Whether the consumer must wait on ``event_handle``."""
+    offset: int
+    """Byte offset of the tensor within its storage."""
+    nbytes: int
+    """Bytes from the tensor's first to one past its last reachable byte."""
+
+    kind: ClassVar[Literal["cuda_ipc"]] = "cuda_ipc"
+    """The handle's kind (also its tag on the wire)."""
+
+    def storage_key(self) -> tuple[bytes, int]:
+        """Identify the storage: handles with equal keys are views of one storage."""
+        return self.ipc_handle, self.storage_offset
+
+
+HandleRef = ShmRef | CudaIpcRef
+"""How the daemon maps a registered layer's memory."""
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered KV tensor: its name (unique per worker), its layout, and its handle."""
+
+    name: str
+    descriptor: BufferDescriptor
+    handle: HandleRef
+
+
+class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The layout a worker's blocks were written in by a raw copy (the sender's layout)."""
+
+    memory_order: MemoryOrder
+    block_size: int
+
+
+class BufferInfo(msgspec.Struct, frozen=True):
+    """One registered layer as status reports it."""
+
+    name: str
+    kind: str
+    nbytes: int
+    descriptor: BufferDescriptor
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """One registered worker as status reports it."""
+
+    worker: WorkerRef
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    layers: list[BufferInfo]
+    nbytes: int
+    host_mirror_bytes: int
+    lease_left_s: float
+    in_flight: int
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """One engine as status reports it."""
+
+    engine_id: str
+    model_hash: str
+    workers: list[WorkerInfo]
+    host_blocks: int
+    host_blocks_used: int
