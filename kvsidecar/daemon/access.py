@@ -20,6 +20,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
+    FixLayout,
+    Grant,
+    Heartbeat,
+    Hello,
+    HostAlloc,
+    HostFree,
+    Move,
+    Publish,
+    Pull,
+    Register,
+    Request,
+    Status,
+    TakePeerEvents,
+    Unregister,
+)
 from kvsidecar.wire.types import WorkerRef
 
 
@@ -142,3 +158,39 @@ class AccessControl:
         """Raise ``forbidden`` unless ``who`` is bound to ``engine_id`` (or an admin)."""
         if not (who.admin or engine_id in who.engines or not self._exists(engine_id)):
             raise SidecarError("forbidden", f"{what}: only engine {engine_id!r} itself may do it")
+
+
+def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
+    """Raise ``forbidden`` unless ``who`` may do ``req`` (hello, status and heartbeat: anyone)."""
+    match req:
+        case Hello() | Status() | Heartbeat():
+            return
+        case Move():
+            acl.check(who, req.src.worker.engine_id, write=False, what="move source")
+            acl.check(who, req.dst.worker.engine_id, write=True, what="move destination")
+        case FixLayout():
+            acl.check(who, req.target.worker.engine_id, write=True, what="fix_layout")
+        case HostAlloc() | HostFree():
+            acl.check(who, req.engine_id, write=True, what=type(req).__name__)
+        case Register():
+            acl.check_register(who, req.worker.engine_id)
+        case Unregister():
+            acl.check_owner(who, req.worker.engine_id, "unregister")
+        case Grant():
+            acl.check_owner(who, req.owner.engine_id, "grant")
+        case Pull():
+            acl.check(who, req.engine_id, write=True, what="pull")
+        case Publish():
+            acl.check(who, req.engine_id, write=False, what="publish")
+        case TakePeerEvents():
+            if req.engine_id:
+                acl.check_owner(who, req.engine_id, "take_peer_events")
+            elif not who.admin:
+                raise SidecarError("forbidden", "take_peer_events of every engine: admin only")
+        case _:
+            # Other commands (report, collect) name one engine, which must be the sender's.
+            engine_id = getattr(req, "engine_id", None) or getattr(
+                getattr(req, "worker", None), "engine_id", None
+            )
+            if isinstance(engine_id, str):
+                acl.check_owner(who, engine_id, type(req).__name__)

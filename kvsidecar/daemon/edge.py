@@ -1,0 +1,337 @@
+"""The daemon's control socket edge: read requests, decode and check them, send replies.
+
+The ROUTER socket is a plain pyzmq socket read from a loop reader callback on its fd (an awaited
+``recv_multipart`` per request costs a future and a task step, a good part of a short command's
+round trip). Each request is size-checked, decoded into the `Request` union, checked for its data
+frames and its sender's rights (`kvsidecar.daemon.access.authorize`), then handed to the
+daemon's ``_dispatch``. Replies go out through `Edge._send`, from the loop or from a copy thread
+(the socket is shared under a lock; `ReplyTo` makes sure a request is answered exactly once).
+
+A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvsidecar.daemon.access import AccessControl, Principal, authorize
+from kvsidecar.daemon.commands import reply_of
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
+from kvsidecar.daemon.observability import Observability
+from kvsidecar.wire import zmqio
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import (
+    REQUEST_TAGS,
+    Envelope,
+    Error,
+    FixLayout,
+    Heartbeat,
+    Hello,
+    HostFree,
+    Move,
+    Publish,
+    Pull,
+    Register,
+    Registered,
+    Reply,
+    Request,
+    Status,
+)
+
+log = logging.getLogger("kvsidecar.daemon")
+
+DATA_FRAMES: dict[type, int] = {Move: 2, FixLayout: 1, HostFree: 1, Pull: 2, Publish: 1}
+"""Raw frames each request carries after its header (others: none). Pull: (remote ids, local
+ids); Publish: the published ids."""
+
+_Frames = list[zmq.Frame]
+_BURST = 64
+"""Requests served per reader callback before yielding to the loop."""
+
+Dispatched = tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]
+"""What ``_dispatch`` returns: an inline reply and its data frames, a coroutine run as a task,
+or a future (a peer pull's reply, or a copy job's outcome that answers through its `ReplyTo`)."""
+
+
+class ReplyTo:
+    """Where one request's reply goes: sent once, from the loop or from a copy thread.
+
+    The `kvsidecar.daemon.commands.ReplySink` of a request. A copy thread and the loop may both
+    try to answer (a move that finished just as its worker was released); a lock decides who
+    does, and what was sent stays readable so that the loop's bookkeeping matches what the
+    client got.
+    """
+
+    __slots__ = ("_claimed", "_command", "_daemon", "_ident", "_lock", "_sent", "_started")
+
+    def __init__(self, daemon: Edge, ident: bytes, command: str, started: float) -> None:
+        self._daemon, self._ident, self._command, self._started = daemon, ident, command, started
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._sent: Reply | None = None
+
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            self._sent = reply
+        self._deliver(reply, from_thread)
+        return True
+
+    def claim(self) -> Reply | None:
+        """Claim the reply for the caller (None; then `deliver` it) or return what was sent."""
+        with self._lock:
+            if self._claimed:
+                return self._sent
+            self._claimed = True
+            return None
+
+    def deliver(self, reply: Reply) -> None:
+        """Send the reply that `claim` reserved (on the event loop)."""
+        self._deliver(reply, False)
+
+    def _deliver(self, reply: Reply, from_thread: bool) -> None:
+        self._daemon._send(
+            self._ident,
+            reply,
+            command=self._command,
+            started=self._started,
+            from_thread=from_thread,
+        )
+
+
+class Edge:
+    """Reading, checking and answering requests on the control socket (a `Daemon` mixin)."""
+
+    # Owned and set by `Daemon`.
+    config: Config
+    access: AccessControl
+    observability: Observability
+    draining: bool
+    errors_total: int
+    _sock: zmq.Socket[Any] | None
+    _sock_lock: threading.Lock
+    _loop: asyncio.AbstractEventLoop | None
+    _executor: CopyExecutor | None
+    _tasks: set[asyncio.Task[Any]]
+    _replies: set[asyncio.Future[Reply]]
+    _decoder: msgspec.msgpack.Decoder[Request]
+    _envelope: msgspec.msgpack.Decoder[Envelope]
+    _encoder: msgspec.msgpack.Encoder
+
+    def _dispatch(self, req: Request, data: list[memoryview], reply_to: ReplyTo) -> Dispatched:
+        raise NotImplementedError  # the daemon's
+
+    async def _recv_loop(self) -> None:
+        """Serve requests until cancelled.
+
+        The socket is read from a loop reader callback on its fd rather than with an awaited
+        ``recv_multipart`` per request: that costs a future and a task step per request, a good
+        part of a short command's round trip.
+        """
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        fd = int(self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._on_readable)
+        loop.call_soon(self._on_readable)  # anything queued before the reader existed
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(fd)
+
+    def _on_readable(self) -> None:
+        # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
+        # left to read (and `_send` re-checks after each send, which may swallow the edge). A
+        # burst is served in slices so that other callbacks (copy completions) run in between.
+        lock = self._sock_lock
+        for _ in range(_BURST):
+            with lock:
+                sock = self._sock
+                frames = None if sock is None else zmqio.try_recv(sock)
+            if frames is None:
+                return
+            if self._executor is not None:  # moves answered from copy threads are settled first
+                self._executor.settle_finished()
+            try:
+                self._on_message(frames)
+            except Exception:  # a bug must not stop the daemon serving everyone else
+                log.exception("unhandled error on a request")
+        asyncio.get_running_loop().call_soon(self._on_readable)
+
+    def _send(
+        self,
+        ident: bytes,
+        reply: Reply,
+        data: tuple[Any, ...] = (),
+        *,
+        command: str = "",
+        started: float = 0.0,
+        from_thread: bool = False,
+    ) -> None:
+        """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
+        if command:  # metrics: every answered command, by type and result, with its latency
+            self.observability.command(command, reply, started)
+        if isinstance(reply, Error):
+            self.errors_total += 1
+        # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
+        header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
+        with self._sock_lock:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                # A ROUTER never blocks on send (it drops for a gone or saturated peer).
+                zmqio.send_frames(sock, [ident, header, *data])
+                # The send may have taken the fd's edge: requests waiting now would go unnoticed.
+                pending = zmqio.readable(sock)
+            except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
+                log.debug("reply %s not sent: %s", type(reply).__name__, exc)
+                return
+        if pending:
+            if not from_thread:
+                asyncio.get_running_loop().call_soon(self._on_readable)
+            elif self._loop is not None:
+                call_soon_from_thread(self._loop, self._on_readable)
+
+    def _on_message(self, frames: _Frames) -> None:
+        ident = frames[0].bytes
+        body = frames[1:]
+        request_id = 0
+        started = time.perf_counter()
+        command = "unknown"  # metrics label until the header decodes
+        try:
+            if not body:
+                raise SidecarError("bad_frame", "a request needs a header frame")
+            header = body[0].buffer
+            total = sum(f.buffer.nbytes for f in body)
+            if (
+                header.nbytes > self.config.max_header_bytes
+                or total > self.config.max_message_bytes
+            ):
+                request_id = self._peek_id(header) if header.nbytes <= (1 << 16) else 0
+                raise SidecarError(
+                    "too_large",
+                    f"request of {total} bytes (header {header.nbytes}); limits "
+                    f"{self.config.max_message_bytes} and {self.config.max_header_bytes}",
+                )
+            request = self._decode(header)
+            request_id = request.id
+            command = str(type(request).__struct_config__.tag)
+            want = DATA_FRAMES.get(type(request), 0)
+            if len(body) - 1 != want:
+                raise SidecarError(
+                    "bad_frame",
+                    f"{type(request).__name__} carries {want} data frames, got {len(body) - 1}",
+                )
+            if self.draining and not isinstance(request, Status):
+                raise SidecarError("shutting_down", "the daemon is shutting down")
+            # security: forbidden before anything is done; these three are anyone's
+            if not isinstance(request, Hello | Status | Heartbeat):
+                authorize(self.access, self._principal(ident, body[0]), request)
+            reply_to = ReplyTo(self, ident, command, started)
+            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to)
+            if isinstance(request, Register) and asyncio.iscoroutine(result):
+                result = self._bind_on_success(ident, body[0], result)
+        except SidecarError as exc:
+            rid = request_id or exc.request_id
+            self._send(
+                ident,
+                Error(id=rid, code=exc.code, message=exc.message),
+                command=command,
+                started=started,
+            )
+            return
+        if isinstance(result, tuple):
+            reply, data = result
+            self._send(ident, reply, data, command=command, started=started)
+        elif isinstance(result, asyncio.Future):
+            self._replies.add(result)
+            if isinstance(request, Move | FixLayout):  # answered by `Commands._run_job`
+                result.add_done_callback(self._replies.discard)
+                return
+
+            def answer(outcome: asyncio.Future[Reply]) -> None:
+                self._replies.discard(outcome)
+                reply_to.send(reply_of(outcome, request_id))
+
+            result.add_done_callback(answer)
+        else:
+            task = asyncio.create_task(
+                self._finish(ident, request_id, result, command=command, started=started)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _principal(self, ident: bytes, frame: zmq.Frame) -> Principal:
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
+            user = ""
+        return self.access.principal(ident, str(user))
+
+    async def _bind_on_success(
+        self, ident: bytes, frame: zmq.Frame, work: Coroutine[Any, Any, Reply]
+    ) -> Reply:
+        reply = await work
+        if isinstance(reply, Registered):
+            self.access.bind(ident, reply.worker, self._principal(ident, frame).user)
+        return reply
+
+    def _peek_id(self, header: memoryview) -> int:
+        try:
+            return self._envelope.decode(header).id
+        except (msgspec.DecodeError, OverflowError):
+            return 0
+
+    def _decode(self, header: memoryview) -> Request:
+        try:
+            return self._decoder.decode(header)
+        except msgspec.ValidationError as exc:
+            try:
+                env = self._envelope.decode(header)
+            except msgspec.DecodeError:
+                raise SidecarError("bad_frame", f"header is not a request: {exc}") from None
+            if env.type not in REQUEST_TAGS:
+                raise SidecarError(
+                    "unknown_message", f"unknown request type {env.type!r}", request_id=env.id
+                ) from None
+            raise SidecarError("invalid_message", f"{env.type}: {exc}", request_id=env.id) from None
+        except msgspec.DecodeError as exc:
+            raise SidecarError("bad_frame", f"header is not msgpack: {exc}") from None
+
+    async def _finish(
+        self,
+        ident: bytes,
+        request_id: int,
+        work: Coroutine[Any, Any, Reply],
+        *,
+        command: str = "",
+        started: float = 0.0,
+    ) -> None:
+        try:
+            reply = await work
+        except SidecarError as exc:
+            reply = Error(id=request_id, code=exc.code, message=exc.message)
+        except asyncio.CancelledError:
+            self._send(
+                ident,
+                Error(id=request_id, code="shutting_down", message="cancelled by shutdown"),
+                command=command,
+                started=started,
+            )
+            raise
+        except Exception as exc:
+            log.exception("request %d failed", request_id)
+            reply = Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
+        self._send(ident, reply, command=command, started=started)
