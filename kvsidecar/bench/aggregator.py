@@ -30,6 +30,7 @@ from kvsidecar.bench.common import Figure, Options, Progress, note
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import Report
+from kvsidecar.wire.types import WorkerRef
 
 WORKERS = 8
 IDS = 16
@@ -45,6 +46,33 @@ def run(opts: Options) -> list[Figure]:
     note(
         f"aggregator: {WORKERS} workers, {steps} steps x {IDS} ids per round, {opts.repeat} rounds"
     )
+    daemon_s, echo_s, local_s = _rounds(opts, steps)
+    reports, completions = steps * WORKERS, steps * IDS
+    group = f"aggregator: {WORKERS} workers, {IDS} ids per report"
+    extra = aggregator_procs.run(opts, IDS) if opts.processes else []
+    return [
+        Figure(
+            name="aggregator/daemon Report round trips",
+            unit="reports/s",
+            samples=[reports / s for s in daemon_s],
+            baseline="raw zmq echo of the same frames",
+            baseline_samples=[reports / s for s in echo_s],
+            group=group,
+        ),
+        Figure(
+            name="aggregator/daemon request completions (reports + collect)",
+            unit="completions/s",
+            samples=[completions / s for s in daemon_s],
+            baseline="CompletionAggregator.aggregate in process",
+            baseline_samples=[completions / s for s in local_s],
+            group=group,
+        ),
+        *extra,
+    ]
+
+
+def _rounds(opts: Options, steps: int) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per round of the daemon, the raw echo and the in-process aggregation, in turns."""
     runtime = tempfile.mkdtemp(prefix="kvsb-agg-", dir="/tmp")
     echo_ep = f"ipc://{runtime}/echo.sock"
     caches = [allocate_kv_caches(1, (16, 16, 1, 16), torch.float16) for _ in range(WORKERS)]
@@ -81,15 +109,7 @@ def run(opts: Options) -> list[Figure]:
             echo.connect(echo_ep)
             for rnd in range(opts.repeat):
                 base = rnd * steps  # steps keep rising: a collected step cannot be reported
-                start = time.perf_counter()
-                for s in range(base, base + steps):
-                    for ref in refs:
-                        client.report(s, finished_recving=_names(s), worker=ref)
-                out = client.collect("agg", base + steps - 1, timeout_s=10).output
-                daemon_s.append(time.perf_counter() - start)
-                done = len(out.finished_recving or ())
-                if done != steps * IDS:
-                    raise RuntimeError(f"{done} requests completed, expected {steps * IDS}")
+                daemon_s.append(_daemon_round(client, refs, base, steps))
                 start = time.perf_counter()
                 for frame in frames:
                     for _ in refs:
@@ -104,28 +124,21 @@ def run(opts: Options) -> list[Figure]:
         ctx.term()
         Path(runtime, "echo.sock").unlink(missing_ok=True)
         Path(runtime).rmdir()
-    reports, completions = steps * WORKERS, steps * IDS
-    group = f"aggregator: {WORKERS} workers, {IDS} ids per report"
-    extra = aggregator_procs.run(opts, IDS) if opts.processes else []
-    return [
-        Figure(
-            name="aggregator/daemon Report round trips",
-            unit="reports/s",
-            samples=[reports / s for s in daemon_s],
-            baseline="raw zmq echo of the same frames",
-            baseline_samples=[reports / s for s in echo_s],
-            group=group,
-        ),
-        Figure(
-            name="aggregator/daemon request completions (reports + collect)",
-            unit="completions/s",
-            samples=[completions / s for s in daemon_s],
-            baseline="CompletionAggregator.aggregate in process",
-            baseline_samples=[completions / s for s in local_s],
-            group=group,
-        ),
-        *extra,
-    ]
+    return daemon_s, echo_s, local_s
+
+
+def _daemon_round(client: SidecarClient, refs: list[WorkerRef], base: int, steps: int) -> float:
+    """Seconds for every worker's reports of ``steps`` steps from ``base``, then one collect."""
+    start = time.perf_counter()
+    for s in range(base, base + steps):
+        for ref in refs:
+            client.report(s, finished_recving=_names(s), worker=ref)
+    out = client.collect("agg", base + steps - 1, timeout_s=10).output
+    seconds = time.perf_counter() - start
+    done = len(out.finished_recving or ())
+    if done != steps * IDS:
+        raise RuntimeError(f"{done} requests completed, expected {steps * IDS}")
+    return seconds
 
 
 def _in_process(steps: int) -> float:

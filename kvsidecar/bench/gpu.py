@@ -175,7 +175,11 @@ def _id_set(
         ("daemon w2w (CUDA IPC)", d_w2w),
         ("in-process device copy", t_w2w),
     ]
-    rates = round_robin(methods, opts.repeat, opts.moved_bytes, progress)
+    return _figures(opts, ids_name, round_robin(methods, opts.repeat, opts.moved_bytes, progress))
+
+
+def _figures(opts: Options, ids_name: str, rates: dict[str, list[float]]) -> list[Figure]:
+    """Each daemon method against the in-process torch copy that does the same."""
     group = f"gpu, {ids_name} ids, {opts.moved_bytes / 2**20:.1f} MiB per move"
     pairs = [
         ("daemon offload", "torch pinned offload"),

@@ -190,7 +190,6 @@ def _layers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Figu
 
 def _workers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Figure]:
     figures: list[Figure] = []
-    group = f"scaling: concurrent workers ({FIXED_LAYERS} layers, {FIXED_BLOCKS} blocks each)"
     num_blocks = 4 * FIXED_BLOCKS
     shape = (num_blocks, *opts.block_shape)
     dtype = torch_dtype(opts.dtype)
@@ -205,6 +204,16 @@ def _workers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Fig
     caches: list[list[torch.Tensor]] = []
     clients: list[SidecarClient] = []
     refs: list[BufferSetRef] = []
+
+    def daemon_job(i: int) -> Callable[[], None]:
+        def go() -> None:
+            clients[i].move(refs[i], refs[i], s32, d32)
+
+        return go
+
+    def local_job(i: int) -> Callable[[], None]:
+        return run_copy(caches[i], caches[i], s_ids, d_ids)
+
     try:
         for n_workers in WORKER_COUNTS:
             progress.step(0, f"scaling: {n_workers} workers")
@@ -221,55 +230,57 @@ def _workers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Fig
                 refs.append(BufferSetRef(ref, "device"))
                 client.move(refs[i], refs[i], s32, d32)  # warm-up and check
                 check_blocks([v[d_ids] for v in cache], s_ids, np.arange(FIXED_BLOCKS))
-
-            def daemon_job(i: int) -> Callable[[], None]:
-                def go() -> None:
-                    clients[i].move(refs[i], refs[i], s32, d32)
-
-                return go
-
-            def local_job(i: int) -> Callable[[], None]:
-                return run_copy(caches[i], caches[i], s_ids, d_ids)
-
-            d_tput: list[float] = []
-            d_lat: list[float] = []
-            l_tput: list[float] = []
-            l_lat: list[float] = []
-            for _ in range(opts.repeat):
-                for jobs, tput, lat in (
-                    ([daemon_job(i) for i in range(n_workers)], d_tput, d_lat),
-                    ([local_job(i) for i in range(n_workers)], l_tput, l_lat),
-                ):
-                    wall, times = _concurrently(jobs, moves)
-                    tput.append(n_workers * moves * nbytes / wall / 1e9)
-                    lat.append(statistics.median(times) * 1e3)
-            name = f"scaling/workers/{n_workers} workers"
-            common = {"group": group, "baseline": f"{RUN_COPY} ({n_workers} threads)"}
-            figures += [
-                Figure(
-                    name=f"{name}: aggregate throughput",
-                    unit="GB/s",
-                    samples=d_tput,
-                    baseline_samples=l_tput,
-                    chart="workers",
-                    series=DAEMON,
-                    x=n_workers,
-                    **common,  # type: ignore[arg-type]
-                ),
-                Figure(
-                    name=f"{name}: command time p50",
-                    unit="ms",
-                    samples=d_lat,
-                    baseline_samples=l_lat,
-                    higher_is_better=False,
-                    **common,  # type: ignore[arg-type]
-                ),
-            ]
+            daemon = [daemon_job(i) for i in range(n_workers)]
+            local = [local_job(i) for i in range(n_workers)]
+            figures += _workers_point(opts, daemon, local, moves, nbytes)
             progress.step()
     finally:
         for client in clients:
             client.close()
     return figures
+
+
+def _workers_point(
+    opts: Options,
+    daemon: list[Callable[[], None]],
+    local: list[Callable[[], None]],
+    moves: int,
+    nbytes: int,
+) -> list[Figure]:
+    """Aggregate throughput and p50 command time of ``len(daemon)`` workers moving at once."""
+    n_workers = len(daemon)
+    d_tput: list[float] = []
+    d_lat: list[float] = []
+    l_tput: list[float] = []
+    l_lat: list[float] = []
+    for _ in range(opts.repeat):
+        for jobs, tput, lat in ((daemon, d_tput, d_lat), (local, l_tput, l_lat)):
+            wall, times = _concurrently(jobs, moves)
+            tput.append(n_workers * moves * nbytes / wall / 1e9)
+            lat.append(statistics.median(times) * 1e3)
+    name = f"scaling/workers/{n_workers} workers"
+    group = f"scaling: concurrent workers ({FIXED_LAYERS} layers, {FIXED_BLOCKS} blocks each)"
+    common = {"group": group, "baseline": f"{RUN_COPY} ({n_workers} threads)"}
+    return [
+        Figure(
+            name=f"{name}: aggregate throughput",
+            unit="GB/s",
+            samples=d_tput,
+            baseline_samples=l_tput,
+            chart="workers",
+            series=DAEMON,
+            x=n_workers,
+            **common,  # type: ignore[arg-type]
+        ),
+        Figure(
+            name=f"{name}: command time p50",
+            unit="ms",
+            samples=d_lat,
+            baseline_samples=l_lat,
+            higher_is_better=False,
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
 
 
 def _concurrently(jobs: list[Callable[[], None]], count: int) -> tuple[float, list[float]]:
