@@ -1,0 +1,170 @@
+"""The package's rooms keep their rules: who may import whom, and sizes a reader can take in.
+
+Read from the source with `ast` (imports inside functions count too), so a rule broken anywhere
+in ``kvsidecar/`` fails here, whatever the tests exercise. docs/architecture.md explains the rooms.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvsidecar"
+
+FORBIDDEN: dict[str, set[str]] = {
+    # room: rooms (or modules) it must never import
+    "core": {"daemon", "client", "peer", "memory", "bench", "integrations", "face"},
+    "wire": {"core", "daemon", "client", "peer", "memory", "bench", "integrations", "face"},
+    "memory": {"daemon", "client", "peer", "bench", "integrations", "face"},
+    "client": {"daemon", "peer", "bench", "face"},
+    "peer": {
+        "client",
+        "bench",
+        "integrations",
+        "face",
+        # the daemon's lower parts are handed to the peer service; its upper layer is not
+        "daemon.server",
+        "daemon.edge",
+        "daemon.commands",
+        "daemon.registration",
+    },
+    "daemon": {"client", "bench", "integrations", "face"},
+}
+"""Rooms are the sub-packages; ``face`` is the top-level modules (cli, demo, status)."""
+
+FACE = {"cli", "demo", "status"}
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> Iterator[tuple[str, Path, ast.Module]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield _module_name(path), path, ast.parse(path.read_text(), str(path))
+
+
+def _imports(name: str, path: Path, tree: ast.Module) -> set[str]:
+    """Every kvsidecar module ``name`` imports, at any depth, resolved to dotted names."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("kvsidecar"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            if not module.startswith("kvsidecar"):
+                continue
+            found.add(module)
+            # ``from kvsidecar.wire import protocol`` imports the module kvsidecar.wire.protocol
+            for alias in node.names:
+                if (PACKAGE.parent / module.replace(".", "/") / f"{alias.name}.py").exists():
+                    found.add(f"{module}.{alias.name}")
+    return found
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"
+    if parts[1] in FACE:
+        return "face"
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return "package"  # kvsidecar/__init__.py, exitcodes
+
+
+def _targets(module: str) -> set[str]:
+    """What a rule may name for ``module``: its room, and its room.module."""
+    parts = module.split(".")
+    room = _room(module)
+    out = {room}
+    if len(parts) > 2:
+        out.add(f"{parts[1]}.{parts[2]}")
+    return out
+
+
+GRAPH = {name: (_imports(name, path, tree), path) for name, path, tree in _modules()}
+
+
+def test_the_rooms_exist() -> None:
+    rooms = {_room(m) for m in GRAPH}
+    assert {"core", "wire", "memory", "daemon", "peer", "client", "bench", "face"} <= rooms
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_only_what_it_may(room: str) -> None:
+    broken = []
+    for module, (imports, _) in GRAPH.items():
+        if _room(module) != room:
+            continue
+        for target in imports:
+            bad = _targets(target) & FORBIDDEN[room]
+            if bad and _room(target) != room:
+                broken.append(f"{module} imports {target}")
+    assert not broken, "\n".join(sorted(broken))
+
+
+def test_only_the_cli_imports_bench() -> None:
+    broken = [
+        f"{module} imports {target}"
+        for module, (imports, _) in GRAPH.items()
+        for target in imports
+        if _room(target) == "bench" and _room(module) != "bench" and module != "kvsidecar.cli"
+    ]
+    assert not broken, "\n".join(sorted(broken))
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[str]:
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Lazy imports inside functions included: a cycle is a cycle however it is hidden."""
+    edges = {m: {t for t in imports if t in GRAPH and t != m} for m, (imports, _) in GRAPH.items()}
+    # A package's __init__ importing its own modules is how packages export; not a cycle.
+    for module in edges:
+        edges[module] = {t for t in edges[module] if not module.startswith(t + ".")}
+    assert not _cycles(edges), "\n".join(_cycles(edges))
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+
+
+def test_the_rule_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
+    """The walk above resolves relative and lazy imports; a checker that sees none passes all."""
+    src = "def f():\n    from ..daemon import server\n    from kvsidecar.client import aio\n"
+    path = PACKAGE / "core" / "example.py"
+    found = _imports("kvsidecar.core.example", path, ast.parse(src))
+    assert "kvsidecar.daemon.server" in found
+    assert "kvsidecar.client.aio" in found
+    assert _targets("kvsidecar.daemon.server") & FORBIDDEN["core"]
