@@ -152,7 +152,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_cycles_between_modules() -> None:
     """Lazy imports inside functions included: a cycle is a cycle however it is hidden."""
-    # A package's __init__ importing its own modules is how packages export; not a cycle.
+    # A module importing its own parent package (its __init__ runs first) is not a cycle.
     edges = {
         m: {t for t in imports if t in GRAPH and t != m and not m.startswith(t + ".")}
         for m, (imports, _) in GRAPH.items()
