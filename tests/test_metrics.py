@@ -1,4 +1,5 @@
-"""Tests of kvsidecar.daemon.metrics against real parts: sockets, a real Prometheus, promtool."""
+"""Tests of the daemon's metrics, state gauges and endpoint against real parts: sockets, a real
+Prometheus, promtool (kvsidecar.daemon.metrics, .metrics_state, .metrics_server)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from kvsidecar.daemon.metrics import (
-    LAYOUT_FIX_KINDS,
-    MOVE_KINDS,
-    DaemonMetrics,
-    MetricsServer,
-    Readiness,
-    StateSnapshot,
-)
+from kvsidecar.daemon.metrics import LAYOUT_FIX_KINDS, MOVE_KINDS, DaemonMetrics
+from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
+from kvsidecar.daemon.metrics_state import StateSnapshot
 from tests.prom import find_binary, prometheus_running
 
 pytestmark = pytest.mark.timeout(60)
