@@ -17,7 +17,7 @@ import importlib.metadata
 import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+from typing import Final, Literal, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -47,64 +47,199 @@ LayoutFixKind = Literal["permute", "blksize", "blksize_permute"]
 """Receive-side layout fix: NHD/HND permute, block-size remap, or both in one pass."""
 LAYOUT_FIX_KINDS: Final[tuple[LayoutFixKind, ...]] = get_args(LayoutFixKind)
 
-MOVE_DURATION_BUCKETS: Final[tuple[float, ...]] = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+
+def _ladder(low: float, high: float) -> tuple[float, ...]:
+    """Bucket bounds 1, 2.5 and 5 times each power of ten, from ``low`` to ``high`` included."""
+    # Parsed from decimal text, so that each bound is the float its literal would be: a bound is
+    # a label value (``le="0.00025"``), and 2.5 * 10**-4 is not 0.00025.
+    steps = (float(f"{m}e{e}") for e in range(-9, 10) for m in ("1", "2.5", "5"))
+    return tuple(bound for bound in steps if low <= bound <= high)
+
+
+MOVE_DURATION_BUCKETS: Final[tuple[float, ...]] = _ladder(0.0001, 10.0)
 """100 us (one small block on a fast path) to 10 s (a large peer pull on a slow link)."""
 
-COMMAND_DURATION_BUCKETS: Final[tuple[float, ...]] = (
-    0.000025,
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+COMMAND_DURATION_BUCKETS: Final[tuple[float, ...]] = (*_ladder(0.000025, 0.25), 1.0)
 """Handling a command is bookkeeping on the loop: tens of microseconds when healthy."""
 
-LOOP_LAG_BUCKETS: Final[tuple[float, ...]] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+LOOP_LAG_BUCKETS: Final[tuple[float, ...]] = _ladder(0.001, 10.0)
 """Lag of the watchdog's timer: anything above a few ms means something blocked the loop."""
 
 
 # --------------------------------------------------------------------------------------------------
-# Metrics
+# The families, by what they count
+# --------------------------------------------------------------------------------------------------
+
+
+_Family = TypeVar("_Family", Counter, Gauge, Info)
+
+
+def _define(
+    metric_type: type[_Family],
+    registry: CollectorRegistry,
+    name: str,
+    doc: str,
+    labels: tuple[str, ...] = (),
+) -> _Family:
+    return metric_type(name, doc, labels, namespace=NAMESPACE, registry=registry)
+
+
+def _histogram(
+    registry: CollectorRegistry,
+    name: str,
+    doc: str,
+    buckets: tuple[float, ...],
+    labels: tuple[str, ...] = (),
+) -> Histogram:
+    return Histogram(name, doc, labels, namespace=NAMESPACE, buckets=buckets, registry=registry)
+
+
+@dataclass(frozen=True, slots=True)
+class _MoveFamilies:
+    """What moves did: totals by kind and engine, durations by kind, failures, layout fixes."""
+
+    moved_bytes: Counter
+    moves: Counter
+    seconds: Counter
+    duration: Histogram
+    failures: Counter
+    layout_fixes: Counter
+
+    @classmethod
+    def define(cls, registry: CollectorRegistry) -> _MoveFamilies:
+        """Define the move metrics on ``registry``."""
+        by_kind_engine = ("kind", "engine")
+        return cls(
+            moved_bytes=_define(
+                Counter,
+                registry,
+                "moved_bytes",
+                "Bytes moved, by move kind and engine.",
+                by_kind_engine,
+            ),
+            moves=_define(
+                Counter,
+                registry,
+                "moves",
+                "Moves completed, by move kind and engine.",
+                by_kind_engine,
+            ),
+            seconds=_define(
+                Counter,
+                registry,
+                "move_seconds",
+                "Seconds spent in completed moves, by move kind and engine "
+                "(byte-weighted throughput = rate(moved_bytes_total) / rate(move_seconds_total)).",
+                by_kind_engine,
+            ),
+            duration=_histogram(
+                registry,
+                "move_duration_seconds",
+                "Duration of completed moves, from submission to completion, by move kind.",
+                MOVE_DURATION_BUCKETS,
+                ("kind",),
+            ),
+            failures=_define(
+                Counter,
+                registry,
+                "move_failures",
+                "Moves that ended failed, by move kind and error code.",
+                ("kind", "code"),
+            ),
+            layout_fixes=_define(
+                Counter,
+                registry,
+                "layout_fixes",
+                "Moves whose blocks went through a receive-side layout fix, by fix kind.",
+                ("kind",),
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _CommandFamilies:
+    """What commands did: how many, with which result, and how long each took."""
+
+    handled: Counter
+    duration: Histogram
+
+    @classmethod
+    def define(cls, registry: CollectorRegistry) -> _CommandFamilies:
+        """Define the command metrics on ``registry``."""
+        return cls(
+            handled=_define(
+                Counter,
+                registry,
+                "commands",
+                "Commands handled, by command and result (ok or an error code).",
+                ("command", "result"),
+            ),
+            duration=_histogram(
+                registry,
+                "command_duration_seconds",
+                "Time from decoding a command to sending its reply, by command.",
+                COMMAND_DURATION_BUCKETS,
+                ("command",),
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _DaemonFamilies:
+    """The daemon's own condition: expired worker leases, loop lag, unencrypted transport, build."""
+
+    lease_expiries: Counter
+    loop_lag: Histogram
+    insecure_transport: Gauge
+    build: Info
+
+    @classmethod
+    def define(
+        cls, registry: CollectorRegistry, build_labels: Mapping[str, str] | None
+    ) -> _DaemonFamilies:
+        """Define the daemon metrics on ``registry``; ``build_labels`` see `DaemonMetrics`."""
+        families = cls(
+            lease_expiries=_define(
+                Counter,
+                registry,
+                "lease_expiries",
+                "Worker leases that expired (worker presumed dead), by engine.",
+                ("engine",),
+            ),
+            loop_lag=_histogram(
+                registry,
+                "event_loop_lag_seconds",
+                "How late the event-loop watchdog's timer fired.",
+                LOOP_LAG_BUCKETS,
+            ),
+            insecure_transport=_define(
+                Gauge,
+                registry,
+                "insecure_transport",
+                "1 while a tcp endpoint runs without CurveZMQ encryption, else 0.",
+            ),
+            build=_define(Info, registry, "build", "Versions of kvsidecar and of what it runs on."),
+        )
+        labels = {
+            "version": __version__,
+            "python": platform.python_version(),
+            "torch": _package_version("torch"),
+        }
+        labels.update(build_labels or {})
+        families.build.info(labels)
+        return families
+
+
+def _package_version(name: str) -> str:
+    # importlib.metadata rather than `import torch`: the build label must not cost a torch import.
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording
 # --------------------------------------------------------------------------------------------------
 
 
@@ -116,14 +251,6 @@ class _MoveSeries:
     moves: Counter
     seconds: Counter
     duration: Histogram
-
-
-def _package_version(name: str) -> str:
-    # importlib.metadata rather than `import torch`: the build label must not cost a torch import.
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
 
 
 class DaemonMetrics:
@@ -153,101 +280,9 @@ class DaemonMetrics:
         ``version``/``python``/``torch`` values of ``kvsidecar_build_info``.
         """
         self.registry = registry
-        ns = NAMESPACE
-
-        self.moved_bytes = Counter(
-            "moved_bytes",
-            "Bytes moved, by move kind and engine.",
-            ["kind", "engine"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.moves = Counter(
-            "moves",
-            "Moves completed, by move kind and engine.",
-            ["kind", "engine"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.move_seconds = Counter(
-            "move_seconds",
-            "Seconds spent in completed moves, by move kind and engine "
-            "(byte-weighted throughput = rate(moved_bytes_total) / rate(move_seconds_total)).",
-            ["kind", "engine"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.move_duration = Histogram(
-            "move_duration_seconds",
-            "Duration of completed moves, from submission to completion, by move kind.",
-            ["kind"],
-            namespace=ns,
-            buckets=MOVE_DURATION_BUCKETS,
-            registry=registry,
-        )
-        self.move_failures = Counter(
-            "move_failures",
-            "Moves that ended failed, by move kind and error code.",
-            ["kind", "code"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.layout_fixes = Counter(
-            "layout_fixes",
-            "Moves whose blocks went through a receive-side layout fix, by fix kind.",
-            ["kind"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.commands = Counter(
-            "commands",
-            "Commands handled, by command and result (ok or an error code).",
-            ["command", "result"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.command_duration = Histogram(
-            "command_duration_seconds",
-            "Time from decoding a command to sending its reply, by command.",
-            ["command"],
-            namespace=ns,
-            buckets=COMMAND_DURATION_BUCKETS,
-            registry=registry,
-        )
-        self.lease_expiries = Counter(
-            "lease_expiries",
-            "Worker leases that expired (worker presumed dead), by engine.",
-            ["engine"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.loop_lag = Histogram(
-            "event_loop_lag_seconds",
-            "How late the event-loop watchdog's timer fired.",
-            namespace=ns,
-            buckets=LOOP_LAG_BUCKETS,
-            registry=registry,
-        )
-        self.insecure_transport = Gauge(
-            "insecure_transport",
-            "1 while a tcp endpoint runs without CurveZMQ encryption, else 0.",
-            namespace=ns,
-            registry=registry,
-        )
-        self.build_info = Info(
-            "build",
-            "Versions of kvsidecar and of what it runs on.",
-            namespace=ns,
-            registry=registry,
-        )
-        labels = {
-            "version": __version__,
-            "python": platform.python_version(),
-            "torch": _package_version("torch"),
-        }
-        labels.update(build_labels or {})
-        self.build_info.info(labels)
-
+        self._moves = _MoveFamilies.define(registry)
+        self._commands = _CommandFamilies.define(registry)
+        self._daemon = _DaemonFamilies.define(registry, build_labels)
         self._state_collector = StateCollector(state, namespace=NAMESPACE)
         registry.register(self._state_collector)
 
@@ -262,10 +297,10 @@ class DaemonMetrics:
 
         # Label sets known up front start at 0, so that rate() and increase() see the first event.
         self._duration_series: dict[str, Histogram] = {
-            kind: self.move_duration.labels(kind) for kind in MOVE_KINDS
+            kind: self._moves.duration.labels(kind) for kind in MOVE_KINDS
         }
         self._fix_series: dict[str, Counter] = {
-            kind: self.layout_fixes.labels(kind) for kind in LAYOUT_FIX_KINDS
+            kind: self._moves.layout_fixes.labels(kind) for kind in LAYOUT_FIX_KINDS
         }
 
     def attach_state(self, provider: StateProvider | None) -> None:
@@ -300,7 +335,7 @@ class DaemonMetrics:
         if child is None:
             if kind not in MOVE_KINDS:
                 raise _unknown(kind, MOVE_KINDS, "move kind")
-            child = self._failure_series[(kind, code)] = self.move_failures.labels(kind, code)
+            child = self._failure_series[(kind, code)] = self._moves.failures.labels(kind, code)
         child.inc()
 
     def record_layout_fix(self, kind: LayoutFixKind) -> None:
@@ -314,10 +349,12 @@ class DaemonMetrics:
         """Count one handled ``command`` with ``result`` ("ok" or an error code) and its latency."""
         child = self._command_series.get((command, result))
         if child is None:
-            child = self._command_series[(command, result)] = self.commands.labels(command, result)
+            child = self._command_series[(command, result)] = self._commands.handled.labels(
+                command, result
+            )
         timer = self._command_duration_series.get(command)
         if timer is None:
-            timer = self._command_duration_series[command] = self.command_duration.labels(command)
+            timer = self._command_duration_series[command] = self._commands.duration.labels(command)
         child.inc()
         timer.observe(seconds if seconds > 0.0 else 0.0)
 
@@ -325,16 +362,16 @@ class DaemonMetrics:
         """Count one worker lease of ``engine`` that expired."""
         child = self._lease_series.get(engine)
         if child is None:
-            child = self._lease_series[engine] = self.lease_expiries.labels(engine)
+            child = self._lease_series[engine] = self._daemon.lease_expiries.labels(engine)
         child.inc()
 
     def observe_loop_lag(self, seconds: float) -> None:
         """Record one measurement of event-loop lag (the `MetricsServer` watchdog calls this)."""
-        self.loop_lag.observe(seconds if seconds > 0.0 else 0.0)
+        self._daemon.loop_lag.observe(seconds if seconds > 0.0 else 0.0)
 
     def set_insecure_transport(self, insecure: bool) -> None:
         """Set whether any tcp endpoint runs without encryption."""
-        self.insecure_transport.set(1 if insecure else 0)
+        self._daemon.insecure_transport.set(1 if insecure else 0)
 
     # ---- engine lifecycle ------------------------------------------------------------------------
 
@@ -351,7 +388,7 @@ class DaemonMetrics:
             if (kind, engine) not in self._move_series:
                 self._new_move_series(kind, engine)
         if engine not in self._lease_series:
-            self._lease_series[engine] = self.lease_expiries.labels(engine)
+            self._lease_series[engine] = self._daemon.lease_expiries.labels(engine)
 
     def remove_engine(self, engine: str, *, grace_s: float = 0.0) -> None:
         """Remove every label set of ``engine``, now or after ``grace_s`` seconds.
@@ -373,21 +410,22 @@ class DaemonMetrics:
 
     def _remove_now(self, engine: str) -> None:
         self._removals.pop(engine, None)
+        moves = self._moves
         for kind in MOVE_KINDS:
             self._move_series.pop((kind, engine), None)
-            for metric in (self.moved_bytes, self.moves, self.move_seconds):
+            for metric in (moves.moved_bytes, moves.moves, moves.seconds):
                 metric.remove(kind, engine)
         self._lease_series.pop(engine, None)
-        self.lease_expiries.remove(engine)
+        self._daemon.lease_expiries.remove(engine)
 
     def _new_move_series(self, kind: str, engine: str) -> _MoveSeries:
         duration = self._duration_series.get(kind)
         if duration is None:
             raise _unknown(kind, MOVE_KINDS, "move kind")
         series = _MoveSeries(
-            moved_bytes=self.moved_bytes.labels(kind, engine),
-            moves=self.moves.labels(kind, engine),
-            seconds=self.move_seconds.labels(kind, engine),
+            moved_bytes=self._moves.moved_bytes.labels(kind, engine),
+            moves=self._moves.moves.labels(kind, engine),
+            seconds=self._moves.seconds.labels(kind, engine),
             duration=duration,
         )
         self._move_series[(kind, engine)] = series
