@@ -73,7 +73,7 @@ EXPORTED_METRICS: frozenset[str] = frozenset(
         "kvsidecar_aggregator_pending_requests",
         "kvsidecar_lease_expiries_total",
         "kvsidecar_build_info",
-        # Beyond the contract the operations issue lists, but defined in kvsidecar/metrics.py
+        # Beyond the contract the operations issue lists, but defined in kvsidecar/daemon/metrics.py
         # (the in-process exposition test below holds it to that).
         "kvsidecar_event_loop_lag_seconds_bucket",
     }
@@ -481,7 +481,8 @@ def test_dashboard_and_rules_against_the_daemons_exposition() -> None:
     # The end-to-end variant scrapes a running daemon with dashboard_metrics_missing_from_scrape.
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvsidecar.daemon.metrics import DaemonMetrics, StateSnapshot
+    from kvsidecar.daemon.metrics import DaemonMetrics
+    from kvsidecar.daemon.metrics_state import StateSnapshot
 
     class State:
         def metrics_state(self) -> StateSnapshot:

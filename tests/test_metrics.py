@@ -1,4 +1,5 @@
-"""Tests of kvsidecar.daemon.metrics against real parts: sockets, a real Prometheus, promtool."""
+"""Tests of the daemon's metrics, state gauges and endpoint against real parts: sockets, a real
+Prometheus, promtool (kvsidecar.daemon.metrics, .metrics_state, .metrics_server)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import prometheus_client
@@ -15,14 +16,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from kvsidecar.daemon.metrics import (
-    LAYOUT_FIX_KINDS,
-    MOVE_KINDS,
-    DaemonMetrics,
-    MetricsServer,
-    Readiness,
-    StateSnapshot,
-)
+from kvsidecar.daemon.metrics import LAYOUT_FIX_KINDS, MOVE_KINDS, DaemonMetrics
+from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
+from kvsidecar.daemon.metrics_state import StateSnapshot
 from tests.prom import find_binary, prometheus_running
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,39 +32,24 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------------------------------
 
 
+STARTING = Readiness(sockets_bound=False, host_pool_allocated=False, draining=False)
+
+
 @dataclass
 class FakeDaemonState:
-    """Implements StateProvider and HealthProvider the way the daemon will: plain attributes."""
+    """Implements StateProvider and HealthProvider as the daemon does; tests replace the facts."""
 
-    workers: dict[str, int] = field(default_factory=dict)
-    buffer_bytes: dict[str, int] = field(default_factory=dict)
-    pending: dict[str, int] = field(default_factory=dict)
-    pool_capacity: int = 0
-    pool_used: int = 0
-    inflight: int = 0
-    sockets_bound: bool = False
-    pool_allocated: bool = False
-    draining: bool = False
+    snapshot: StateSnapshot = field(default_factory=StateSnapshot)
+    ready: Readiness = STARTING
     fail: bool = False
 
     def metrics_state(self) -> StateSnapshot:
         if self.fail:
             raise RuntimeError("provider bug")
-        return StateSnapshot(
-            registered_workers=dict(self.workers),
-            registered_buffer_bytes=dict(self.buffer_bytes),
-            aggregator_pending_requests=dict(self.pending),
-            host_pool_capacity_bytes=self.pool_capacity,
-            host_pool_used_bytes=self.pool_used,
-            inflight_moves=self.inflight,
-        )
+        return self.snapshot
 
     def readiness(self) -> Readiness:
-        return Readiness(
-            sockets_bound=self.sockets_bound,
-            host_pool_allocated=self.pool_allocated,
-            draining=self.draining,
-        )
+        return self.ready
 
 
 @dataclass
@@ -220,10 +201,14 @@ async def test_real_prometheus_sees_bytes_moved_and_byte_weighted_throughput() -
 async def test_promtool_check_metrics_reports_no_problem() -> None:
     promtool = find_binary("promtool")
     async with serving() as h:
-        h.state.workers = {"engine-a": 2, "engine-b": 1}
-        h.state.buffer_bytes = {"engine-a": 4 * GiB, "engine-b": GiB}
-        h.state.pending = {"engine-a": 3, "engine-b": 0}
-        h.state.pool_capacity, h.state.pool_used, h.state.inflight = 8 * GiB, GiB, 5
+        h.state.snapshot = StateSnapshot(
+            registered_workers={"engine-a": 2, "engine-b": 1},
+            registered_buffer_bytes={"engine-a": 4 * GiB, "engine-b": GiB},
+            aggregator_pending_requests={"engine-a": 3, "engine-b": 0},
+            host_pool_capacity_bytes=8 * GiB,
+            host_pool_used_bytes=GiB,
+            inflight_moves=5,
+        )
         record_workload(h.metrics)
         h.metrics.record_move_failure("peer_recv", "peer_timeout")
         for kind in LAYOUT_FIX_KINDS:
@@ -313,15 +298,15 @@ async def test_healthz_and_readyz_follow_daemon_lifecycle() -> None:
         assert b"sockets not bound" in starting.body
         assert b"host pool not allocated" in starting.body
 
-        h.state.sockets_bound = True
+        h.state.ready = replace(h.state.ready, sockets_bound=True)
         half = await http_get(port, "/readyz")
         assert half.status == 503 and b"sockets" not in half.body
 
-        h.state.pool_allocated = True
+        h.state.ready = replace(h.state.ready, host_pool_allocated=True)
         ready = await http_get(port, "/readyz")
         assert (ready.status, ready.body) == (200, b"ready\n")
 
-        h.state.draining = True
+        h.state.ready = replace(h.state.ready, draining=True)
         draining = await http_get(port, "/readyz")
         assert draining.status == 503 and b"draining" in draining.body
         assert (await http_get(port, "/healthz")).status == 200  # alive while draining
@@ -333,7 +318,7 @@ async def test_healthz_and_readyz_follow_daemon_lifecycle() -> None:
 
 async def test_healthz_reports_a_stalled_event_loop() -> None:
     async with serving(watchdog_interval_s=0.02, max_loop_lag_s=0.15, stall_hold_s=0.6) as h:
-        h.state.sockets_bound = h.state.pool_allocated = True
+        h.state.ready = Readiness(sockets_bound=True, host_pool_allocated=True, draining=False)
         await asyncio.sleep(0.1)
         assert (await http_get(h.server.port, "/healthz")).status == 200
 
@@ -434,7 +419,7 @@ def _engine_samples(registry: CollectorRegistry, engine: str) -> list[str]:
 
 
 async def test_remove_engine_removes_every_label_set() -> None:
-    state = FakeDaemonState(workers={"engine-a": 1, "engine-b": 1})
+    state = FakeDaemonState(StateSnapshot(registered_workers={"engine-a": 1, "engine-b": 1}))
     registry = CollectorRegistry()
     metrics = DaemonMetrics(registry, state=state)
     metrics.add_engine("engine-a")
@@ -448,7 +433,7 @@ async def test_remove_engine_removes_every_label_set() -> None:
     assert registry.get_sample_value("kvsidecar_lease_expiries_total", {"engine": "engine-a"}) == 1
 
     metrics.remove_engine("engine-a")
-    state.workers.pop("engine-a")  # the daemon forgets it too
+    state.snapshot = StateSnapshot(registered_workers={"engine-b": 1})  # the daemon forgets it too
 
     for name in (
         "kvsidecar_moved_bytes_total",
@@ -499,9 +484,13 @@ async def test_remove_engine_after_grace_period_and_comeback_cancels_it() -> Non
 
 async def test_state_gauges_are_read_at_scrape_time() -> None:
     async with serving() as h:
-        h.state.workers = {"engine-a": 2, "engine-b": 4}
-        h.state.buffer_bytes = {"engine-a": GiB, "engine-b": 2 * GiB}
-        h.state.pool_capacity, h.state.pool_used, h.state.inflight = 4 * GiB, 3 * MiB, 7
+        h.state.snapshot = StateSnapshot(
+            registered_workers={"engine-a": 2, "engine-b": 4},
+            registered_buffer_bytes={"engine-a": GiB, "engine-b": 2 * GiB},
+            host_pool_capacity_bytes=4 * GiB,
+            host_pool_used_bytes=3 * MiB,
+            inflight_moves=7,
+        )
         get = h.registry.get_sample_value
         assert get("kvsidecar_registered_workers", {"engine": "engine-b"}) == 4
         assert get("kvsidecar_registered_buffer_bytes", {"engine": "engine-a"}) == GiB
@@ -509,8 +498,9 @@ async def test_state_gauges_are_read_at_scrape_time() -> None:
         assert get("kvsidecar_host_pool_used_bytes") == 3 * MiB
         assert get("kvsidecar_inflight_moves") == 7
 
-        h.state.workers.pop("engine-b")
-        h.state.inflight = 0
+        h.state.snapshot = replace(
+            h.state.snapshot, registered_workers={"engine-a": 2}, inflight_moves=0
+        )
         assert get("kvsidecar_registered_workers", {"engine": "engine-b"}) is None
         assert get("kvsidecar_inflight_moves") == 0
 
@@ -594,18 +584,9 @@ def test_record_rules() -> None:
 
     metrics.record_command("collect", "ok", 0.0001)
     metrics.record_command("collect", "stale_step", 0.00005)
-    assert (
-        registry.get_sample_value(
-            "kvsidecar_commands_total", {"command": "collect", "result": "stale_step"}
-        )
-        == 1
-    )
-    assert (
-        registry.get_sample_value(
-            "kvsidecar_command_duration_seconds_count", {"command": "collect"}
-        )
-        == 2
-    )
+    get = registry.get_sample_value
+    assert get("kvsidecar_commands_total", {"command": "collect", "result": "stale_step"}) == 1
+    assert get("kvsidecar_command_duration_seconds_count", {"command": "collect"}) == 2
 
 
 def test_metrics_live_only_on_the_injected_registry() -> None:
@@ -613,18 +594,9 @@ def test_metrics_live_only_on_the_injected_registry() -> None:
     a = DaemonMetrics(first)
     DaemonMetrics(second, build_labels={"version": "9.9.9"})
     a.record_move("peer_send", "engine-a", 123, 0.01)
-    assert (
-        first.get_sample_value(
-            "kvsidecar_moved_bytes_total", {"kind": "peer_send", "engine": "engine-a"}
-        )
-        == 123
-    )
-    assert (
-        second.get_sample_value(
-            "kvsidecar_moved_bytes_total", {"kind": "peer_send", "engine": "engine-a"}
-        )
-        is None
-    )
+    labels = {"kind": "peer_send", "engine": "engine-a"}
+    assert first.get_sample_value("kvsidecar_moved_bytes_total", labels) == 123
+    assert second.get_sample_value("kvsidecar_moved_bytes_total", labels) is None
     assert prometheus_client.REGISTRY.get_sample_value("kvsidecar_insecure_transport") is None
     info = [s for f in second.collect() if f.name == "kvsidecar_build" for s in f.samples]
     assert info[0].labels["version"] == "9.9.9" and info[0].labels["torch"]

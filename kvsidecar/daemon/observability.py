@@ -1,7 +1,8 @@
-"""The daemon's metrics and probes: what `kvsidecar.daemon.metrics` needs from a running daemon.
+"""The daemon's metrics and probes: what the metrics modules need from a running daemon.
 
-`metrics` defines the metrics and the HTTP endpoint and knows nothing of the daemon;
-this module is the glue, so that ``daemon.py`` only calls a handful of methods:
+`kvsidecar.daemon.metrics` (the metrics), `kvsidecar.daemon.metrics_state` (the scrape-time state)
+and `kvsidecar.daemon.metrics_server` (the HTTP endpoint) know nothing of the daemon; this module
+is the glue, so that ``daemon.py`` only calls a handful of methods:
 
 - `Observability` owns the daemon's `CollectorRegistry` (never the process-global one), its
   `DaemonMetrics` and, unless ``metrics_port`` is negative, its `MetricsServer`;
@@ -22,15 +23,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.metrics import (
-    DaemonMetrics,
-    LayoutFixKind,
-    MetricsServer,
-    MoveKind,
-    Readiness,
-    StateProvider,
-    StateSnapshot,
-)
+from kvsidecar.daemon.metrics import DaemonMetrics, LayoutFixKind, MoveKind
+from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
+from kvsidecar.daemon.metrics_state import StateProvider, StateSnapshot
 from kvsidecar.daemon.registry import Registry
 from kvsidecar.wire.protocol import Error, Move, Reply
 from kvsidecar.wire.types import BufferDescriptor, BufferSetRef
@@ -48,7 +43,7 @@ log = logging.getLogger("kvsidecar.observability")
 
 
 class _HealthAdapter:
-    """Adapts a readiness callable to `kvsidecar.daemon.metrics.HealthProvider`."""
+    """Adapts a readiness callable to `kvsidecar.daemon.metrics_server.HealthProvider`."""
 
     def __init__(self, ready: Callable[[], Readiness]) -> None:
         self._ready = ready

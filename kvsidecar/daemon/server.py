@@ -58,7 +58,8 @@ from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.jobs import prepare_fix
-from kvsidecar.daemon.metrics import Readiness, StateSnapshot
+from kvsidecar.daemon.metrics_server import Readiness
+from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import Registry, check_epoch
