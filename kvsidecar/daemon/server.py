@@ -383,7 +383,7 @@ class Daemon(Edge, Registration, Commands):
     # ------------------------------------------------------------------ metrics and completions
 
     def metrics_state(self) -> StateSnapshot:
-        """`kvsidecar.daemon.metrics.StateProvider`: live state, read at every scrape."""
+        """`kvsidecar.daemon.metrics_state.StateProvider`: live state, read at every scrape."""
         pool, executor = self._pool, self._executor
         return snapshot(
             self.registry,
@@ -394,7 +394,7 @@ class Daemon(Edge, Registration, Commands):
         )
 
     def readiness(self) -> Readiness:
-        """`kvsidecar.daemon.metrics.HealthProvider`: what ``/readyz`` decides on."""
+        """`kvsidecar.daemon.metrics_server.HealthProvider`: what ``/readyz`` decides on."""
         return readiness(
             sockets_bound=self._sock is not None and self.started.is_set(),
             pool_needed=self.config.host_pool_bytes > 0,
