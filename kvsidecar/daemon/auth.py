@@ -179,6 +179,17 @@ class ZapHandler:
             )
 
 
+async def close_zap_and_context(zap: ZapHandler | None, ctx: zmq.asyncio.Context | None) -> None:
+    """Stop ``zap``, then end ``ctx``; call it once the sockets they guard are closed.
+
+    In that order because ``term`` waits for every socket of the context, the handler's too.
+    """
+    if zap is not None:
+        await zap.close()
+    if ctx is not None:
+        ctx.term()
+
+
 def _ipc_uid(address: bytes) -> int | None:
     """Return the uid in libzmq's ipc peer address ``localhost:<uid>:<gid>:<pid>``, else None."""
     parts = address.split(b":")

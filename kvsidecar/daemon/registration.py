@@ -33,7 +33,7 @@ from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
 from kvsidecar.memory.shm import ShmHandle, open_shm_all
-from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
     Grant,
@@ -342,11 +342,11 @@ def _check_identity(req: Register) -> None:
             raise SidecarError("invalid_message", f"{name}_rank {rank} with {name}_size {size}")
     if not ref.engine_id:
         raise SidecarError("invalid_message", "engine_id must not be empty")
-    if not req.layers:
-        raise SidecarError("invalid_message", "a registration needs at least one layer")
-    names = [s.name for s in req.layers]
-    if len(set(names)) != len(names):
-        raise SidecarError("invalid_message", "layer names must be unique")
+    require_distinct(
+        [s.name for s in req.layers],
+        empty="a registration needs at least one layer",
+        repeated="layer names must be unique",
+    )
     for spec in req.layers:
         try:
             layout.buffer_nbytes(spec.descriptor)

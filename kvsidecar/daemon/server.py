@@ -49,6 +49,7 @@ from kvsidecar.daemon.admission import Admission  # reliability
 from kvsidecar.daemon.auth import (
     CONTROL_DOMAIN,
     ZapHandler,
+    close_zap_and_context,
     control_transport,
     secure_server_socket,
 )
@@ -297,12 +298,8 @@ class Daemon(Edge, Registration, Commands):
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
-        if self.zap is not None:
-            await self.zap.close()
-            self.zap = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        await close_zap_and_context(self.zap, self._ctx)
+        self.zap, self._ctx = None, None
         if self._executor is not None:
             # A copy still running after the drain is abandoned; its views keep its mapping alive.
             self._executor.shutdown(wait=not self.force_exit and self._executor.in_flight == 0)

@@ -4,5 +4,8 @@
 - `handshake`: what a daemon tells its peers about its engines, and the compatibility check.
 - `plan`: which remote ranks and byte ranges land where (TP mismatch, block size, MLA, DCP).
 - `planes`: the `DataPlane` interface; `zmq_plane` (built in) and `nixl_plane` (NIXL READ).
-- `service`: `PeerService`, wired into the daemon: peer endpoint, pulls, leases, completions.
+- `service`: `PeerService`, wired into the daemon: peer endpoint, links, handshake answer,
+  data planes, completion events.
+- `pull`: the consumer side, one pull from its checks to its completion event.
+- `producer`: the producer side: publish, leases, reads served on the ZMQ plane.
 """

@@ -25,7 +25,8 @@ Rank mapping follows `kvsidecar.core.topology.TransferTopology`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -162,6 +163,18 @@ Source = tuple[int, int, int, int]
 """(remote tp rank, offset in the remote region, length, offset in the local sub-region)."""
 
 
+class _HeadShape(NamedTuple):
+    """The sizes that place heads in an HND region (`layout.head_slice` and its target)."""
+
+    local_tp_size: int
+    remote_tp_size: int
+    num_heads_total: int
+    block_size: int
+    """The remote block size: the region that is sliced, or assembled from."""
+    head_size: int
+    itemsize: int
+
+
 def _sources(
     local: PeerEngine,
     worker: PeerWorker,
@@ -171,11 +184,16 @@ def _sources(
 ) -> tuple[list[Source], list[int], int]:
     """Which remote ranks give which bytes of a region; whom to notify; readers per rank."""
     topo = _topology(local, worker, remote)
-    itemsize = layout.torch_dtype(rdesc.dtype).itemsize
+    shape = _HeadShape(
+        local_tp_size=local.tp_size,
+        remote_tp_size=remote.tp_size,
+        num_heads_total=local.compat.total_kv_heads,
+        block_size=remote.block_size,
+        head_size=rdesc.head_size,
+        itemsize=layout.torch_dtype(rdesc.dtype).itemsize,
+    )
     rbl = layout.block_len(rdesc)
     lsub = layout.block_len(ldesc) // (local.block_size // remote.block_size)
-    total = local.compat.total_kv_heads
-    l_rank = worker.tp_rank
     try:
         if local.dcp_size > 1 or remote.dcp_size > 1:
             if (local.tp_size, local.dcp_size) != (remote.tp_size, remote.dcp_size):
@@ -185,57 +203,186 @@ def _sources(
                     f"{remote.tp_size}/{remote.dcp_size}"
                 )
             expected = topo.dcp_consumer_count(remote.tp_size, remote.dcp_size)
-            return [(l_rank, 0, rbl, 0)], [l_rank], expected
+            return [(worker.tp_rank, 0, rbl, 0)], [worker.tp_rank], expected
         targets = topo.target_remote_ranks(remote.engine_id)
         expected = topo.dcp_consumer_count(remote.tp_size, 1)
         if local.compat.is_mla:
             return [(targets[0], 0, rbl, 0)], targets, expected
         ratio = topo.tp_ratio(remote.tp_size)
-        if ratio >= 1:
-            if ratio == 1:
-                return [(targets[0], 0, rbl, 0)], targets, expected
-            off, length = layout.head_slice(
-                local_tp_size=local.tp_size,
-                remote_tp_size=remote.tp_size,
-                local_tp_rank=l_rank,
-                num_heads_total=total,
-                block_size=remote.block_size,
-                head_size=rdesc.head_size,
-                itemsize=itemsize,
-            )
-            if length != rbl and rdesc.memory_order != "HND":
-                raise PlanError(
-                    f"local TP {local.tp_size} > remote TP {remote.tp_size} reads a head slice "
-                    "of each remote block, which needs HND memory order on the producer "
-                    f"(it is {rdesc.memory_order})"
-                )
-            return [(targets[0], off, length, 0)], targets, expected
-        sources: list[Source] = []
-        seen: set[int] = set()
-        for q in targets:
-            off, length = layout.head_slice_target(
-                local_tp_size=local.tp_size,
-                remote_tp_size=remote.tp_size,
-                remote_tp_rank=q,
-                num_heads_total=total,
-                block_size=remote.block_size,
-                head_size=rdesc.head_size,
-                itemsize=itemsize,
-            )
-            if off not in seen:  # replicated heads: one replica is enough
-                seen.add(off)
-                sources.append((q, 0, rbl, off))
-        if len(sources) > 1 and rdesc.memory_order != "HND":
-            raise PlanError(
-                f"remote TP {remote.tp_size} > local TP {local.tp_size} assembles each local "
-                "block from several remote ranks' heads, which needs HND memory order on the "
-                f"producer (it is {rdesc.memory_order})"
-            )
-        if any(off + length > lsub for _, _, length, off in sources):
-            raise PlanError("remote regions do not fit the local region (head counts disagree)")
-        return sources, targets, expected
+        if ratio == 1:
+            return [(targets[0], 0, rbl, 0)], targets, expected
+        if ratio > 1:
+            return [_own_heads(shape, worker.tp_rank, targets[0], rdesc)], targets, expected
+        return _assembled_heads(shape, targets, rdesc, lsub), targets, expected
     except (TopologyError, layout.LayoutError) as exc:
         raise PlanError(str(exc)) from None
+
+
+def _own_heads(
+    shape: _HeadShape, local_tp_rank: int, remote_tp_rank: int, rdesc: BufferDescriptor
+) -> Source:
+    """Local TP > remote TP: this rank's own heads, one byte range of one remote region."""
+    off, length = layout.head_slice(local_tp_rank=local_tp_rank, **shape._asdict())
+    if length != layout.block_len(rdesc) and rdesc.memory_order != "HND":
+        raise PlanError(
+            f"local TP {shape.local_tp_size} > remote TP {shape.remote_tp_size} reads a head "
+            "slice of each remote block, which needs HND memory order on the producer "
+            f"(it is {rdesc.memory_order})"
+        )
+    return (remote_tp_rank, off, length, 0)
+
+
+def _assembled_heads(
+    shape: _HeadShape, targets: list[int], rdesc: BufferDescriptor, lsub: int
+) -> list[Source]:
+    """Remote TP > local TP: whole remote regions, each at its heads' offset in the local one."""
+    rbl = layout.block_len(rdesc)
+    sources: list[Source] = []
+    seen: set[int] = set()
+    for q in targets:
+        off, _ = layout.head_slice_target(remote_tp_rank=q, **shape._asdict())
+        if off not in seen:  # replicated heads: one replica is enough
+            seen.add(off)
+            sources.append((q, 0, rbl, off))
+    if len(sources) > 1 and rdesc.memory_order != "HND":
+        raise PlanError(
+            f"remote TP {shape.remote_tp_size} > local TP {shape.local_tp_size} assembles each "
+            "local block from several remote ranks' heads, which needs HND memory order on the "
+            f"producer (it is {rdesc.memory_order})"
+        )
+    if any(off + length > lsub for _, _, length, off in sources):
+        raise PlanError("remote regions do not fit the local region (head counts disagree)")
+    return sources
+
+
+def _block_ratio(local: PeerEngine, remote: PeerEngine, n_remote: int, n_local: int) -> int:
+    """Remote blocks per local block; refuses sizes that do not divide and ids that do not fill."""
+    if local.block_size % remote.block_size:
+        raise PlanError(
+            f"local block size {local.block_size} is not a multiple of the remote "
+            f"{remote.block_size}"
+        )
+    bs = local.block_size // remote.block_size
+    if not (bs * (n_local - 1) < n_remote <= bs * n_local) and (n_remote or n_local):
+        raise PlanError(
+            f"{n_remote} remote blocks do not fill {n_local} local blocks "
+            f"of {bs} remote blocks each"
+        )
+    return bs
+
+
+class _RemoteRanks:
+    """The remote engine's workers by pipeline stage, and the stage that holds each layer."""
+
+    def __init__(self, remote: PeerEngine) -> None:
+        self.engine_id = remote.engine_id
+        self.by_pp: dict[int, dict[int, PeerWorker]] = {}
+        for rw in remote.workers:
+            self.by_pp.setdefault(rw.pp_rank, {})[rw.tp_rank] = rw
+        self.layer_home: dict[str, int] = {}
+        for pp, ranks in self.by_pp.items():
+            for name in next(iter(ranks.values())).layers:
+                self.layer_home[name] = pp
+
+    def home(self, name: str) -> int:
+        """Return the pipeline stage that holds layer ``name``."""
+        pp = self.layer_home.get(name)
+        if pp is None:
+            raise PlanError(f"remote engine {self.engine_id!r} has no layer {name!r}")
+        return pp
+
+    def first_descriptor(self, pp: int) -> BufferDescriptor:
+        """Return the first layer descriptor of the lowest TP rank of stage ``pp``."""
+        ranks = self.by_pp[pp]
+        return ranks[min(ranks)].descriptors[0]
+
+    def worker(self, tp: int, pp: int) -> PeerWorker:
+        """Return remote rank ``tp``, ``pp``; refuse one that is not registered."""
+        found = self.by_pp[pp].get(tp)
+        if found is None:
+            raise PlanError(
+                f"remote engine {self.engine_id!r} has no rank tp{tp}.pp{pp} registered"
+            )
+        return found
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """One request's block ids on both sides, and where each remote block lands locally."""
+
+    remote_ids: I64
+    local_ids: I64
+    ratio: int
+    """Remote blocks per local block."""
+    local_rows: I64
+    """Per remote block: ``local block * ratio + its place in that local block``."""
+
+    @classmethod
+    def of(cls, remote_ids: I64, local_ids: I64, ratio: int) -> _Blocks:
+        """Index the ids of one request (remote blocks fill the local ones in order)."""
+        sub = np.arange(remote_ids.size, dtype=np.int64)
+        rows = local_ids.astype(np.int64)[sub // ratio] * ratio + sub % ratio
+        return cls(remote_ids.astype(np.int64), local_ids, ratio, rows)
+
+
+def _check_ids(ids: I64, geo: Geometry, side: str) -> None:
+    """Refuse block ids (``side``: local or remote) outside a buffer of geometry ``geo``."""
+    if ids.size and (int(ids.max()) >= geo.num_blocks or int(ids.min()) < 0):
+        raise PlanError(f"{side} block ids out of range 0..{geo.num_blocks - 1}")
+
+
+@dataclass(eq=False)
+class _Reads:
+    """The rows gathered for one remote worker until they become its `ReadPlan`."""
+
+    layers: list[str] = field(default_factory=list)
+    ranges: list[I64] = field(default_factory=list)
+    dests: list[I64] = field(default_factory=list)
+
+    def add(self, name: str, local_index: int, runs: tuple[I64, I64, I64]) -> None:
+        """Add coalesced runs ``(remote starts, local starts, lengths)`` of layer ``name``."""
+        if name not in self.layers:
+            self.layers.append(name)
+        starts_r, starts_l, lengths = runs
+        remote_index = np.full(starts_r.size, self.layers.index(name), np.int64)
+        self.ranges.append(np.stack([remote_index, starts_r, lengths], 1))
+        self.dests.append(np.stack([np.full(starts_l.size, local_index, np.int64), starts_l], 1))
+
+    def plan(self, tp: int, pp: int, local_layers: list[str]) -> ReadPlan:
+        """Return the read of remote worker ``tp``, ``pp`` with every row gathered."""
+        return ReadPlan(
+            remote_tp_rank=tp,
+            remote_pp_rank=pp,
+            remote_layers=self.layers,
+            local_layers=list(local_layers),
+            ranges=np.ascontiguousarray(np.concatenate(self.ranges), dtype=np.int64),
+            dest=np.ascontiguousarray(np.concatenate(self.dests), dtype=np.int64),
+        )
+
+
+def _add_source(
+    reads: _Reads,
+    source: Source,
+    rdesc: BufferDescriptor,
+    blocks: _Blocks,
+    *,
+    name: str,
+    local_index: int,
+    lgeo: Geometry,
+    max_frame: int,
+) -> None:
+    """Add the ranges that bring one source's bytes of layer ``name``, each K/V region apart."""
+    _, roff, length, loff = source
+    rgeo = geometry(rdesc)
+    _check_ids(blocks.remote_ids, rgeo, "remote")
+    if len(rgeo.bases) != len(lgeo.bases):
+        raise PlanError(f"layer {name!r}: K/V regions differ between the engines")
+    rows, bs = blocks.local_rows, blocks.ratio
+    lsub = lgeo.block_len // bs
+    for k in range(len(lgeo.bases)):
+        ro = rgeo.bases[k] + blocks.remote_ids * rgeo.stride + roff
+        lo = lgeo.bases[k] + (rows // bs) * lgeo.stride + (rows % bs) * lsub + loff
+        reads.add(name, local_index, _coalesce(ro, lo, length, max_frame))
 
 
 def plan_rank(
@@ -253,97 +400,41 @@ def plan_rank(
     in (with a block-size ratio ``r``: ``r * (len(local_ids) - 1) < len(remote_ids) <= r *
     len(local_ids)``). Raises `PlanError` for anything that cannot be served.
     """
-    if local.block_size % remote.block_size:
-        raise PlanError(
-            f"local block size {local.block_size} is not a multiple of the remote "
-            f"{remote.block_size}"
-        )
-    bs = local.block_size // remote.block_size
-    n_remote, n_local = remote_ids.size, local_ids.size
-    if not (bs * (n_local - 1) < n_remote <= bs * n_local) and (n_remote or n_local):
-        raise PlanError(
-            f"{n_remote} remote blocks do not fill {n_local} local blocks "
-            f"of {bs} remote blocks each"
-        )
-    by_pp: dict[int, dict[int, PeerWorker]] = {}
-    for rw in remote.workers:
-        by_pp.setdefault(rw.pp_rank, {})[rw.tp_rank] = rw
-    layer_home: dict[str, int] = {}
-    for pp, ranks in by_pp.items():
-        for name in next(iter(ranks.values())).layers:
-            layer_home[name] = pp
-
-    reads: dict[tuple[int, int], tuple[list[str], list[I64], list[I64], list[I64], list[I64]]] = {}
+    bs = _block_ratio(local, remote, remote_ids.size, local_ids.size)
+    ranks = _RemoteRanks(remote)
+    blocks = _Blocks.of(remote_ids, local_ids, bs)
+    reads: dict[tuple[int, int], _Reads] = {}
     fixes: list[tuple[str, MemoryOrder]] = []
     notify: set[tuple[int, int]] = set()
     expected = 1
-    sub = np.arange(n_remote, dtype=np.int64)
-    local_rows = local_ids.astype(np.int64)[sub // bs] * bs + sub % bs
     for li, name in enumerate(worker.layers):
-        home = layer_home.get(name)
-        if home is None:
-            raise PlanError(f"remote engine {remote.engine_id!r} has no layer {name!r}")
-        pp = home
+        pp = ranks.home(name)
         ldesc = worker.descriptors[li]
         sources, targets, expected = _sources(
-            local, worker, remote, ldesc, by_pp[pp][min(by_pp[pp])].descriptors[0]
+            local, worker, remote, ldesc, ranks.first_descriptor(pp)
         )
         notify.update((q, pp) for q in targets)
         lgeo = geometry(ldesc)
-        lsub = lgeo.block_len // bs
-        if n_local and (int(local_ids.max()) >= lgeo.num_blocks or int(local_ids.min()) < 0):
-            raise PlanError(f"local block ids out of range 0..{lgeo.num_blocks - 1}")
-        rdesc_used: BufferDescriptor | None = None
-        for q, roff, length, loff in sources:
-            found = by_pp[pp].get(q)
-            if found is None:
-                raise PlanError(
-                    f"remote engine {remote.engine_id!r} has no rank tp{q}.pp{pp} registered"
-                )
-            rw = found
-            ri = rw.layers.index(name)
-            rdesc = rw.descriptors[ri]
-            rdesc_used = rdesc
-            rgeo = geometry(rdesc)
-            if n_remote and (int(remote_ids.max()) >= rgeo.num_blocks or int(remote_ids.min()) < 0):
-                raise PlanError(f"remote block ids out of range 0..{rgeo.num_blocks - 1}")
-            if len(rgeo.bases) != len(lgeo.bases):
-                raise PlanError(f"layer {name!r}: K/V regions differ between the engines")
-            entry = reads.setdefault((q, pp), ([], [], [], [], []))
-            layer_names = entry[0]
-            if name not in layer_names:
-                layer_names.append(name)
-            r_index = layer_names.index(name)
-            for k in range(len(lgeo.bases)):
-                ro = rgeo.bases[k] + remote_ids.astype(np.int64) * rgeo.stride + roff
-                lo = (
-                    lgeo.bases[k]
-                    + (local_rows // bs) * lgeo.stride
-                    + (local_rows % bs) * lsub
-                    + loff
-                )
-                starts_r, starts_l, lengths = _coalesce(ro, lo, length, max_frame)
-                entry[1].append(np.full(starts_r.size, r_index, np.int64))
-                entry[2].append(starts_r)
-                entry[3].append(lengths)
-                entry[4].append(np.stack([np.full(starts_l.size, li, np.int64), starts_l], 1))
-        if rdesc_used is not None and _needs_fix(rdesc_used, ldesc, bs):
-            fixes.append((name, rdesc_used.memory_order))
-    plans = []
-    for (q, pp), (names, idx, offs, lens, dests) in sorted(reads.items()):
-        ranges = np.stack([np.concatenate(idx), np.concatenate(offs), np.concatenate(lens)], 1)
-        plans.append(
-            ReadPlan(
-                remote_tp_rank=q,
-                remote_pp_rank=pp,
-                remote_layers=names,
-                local_layers=list(worker.layers),
-                ranges=np.ascontiguousarray(ranges, dtype=np.int64),
-                dest=np.ascontiguousarray(np.concatenate(dests), dtype=np.int64),
+        _check_ids(blocks.local_ids, lgeo, "local")
+        rdesc: BufferDescriptor | None = None
+        for source in sources:
+            rw = ranks.worker(source[0], pp)
+            rdesc = rw.descriptors[rw.layers.index(name)]
+            entry = reads.setdefault((source[0], pp), _Reads())
+            _add_source(
+                entry,
+                source,
+                rdesc,
+                blocks,
+                name=name,
+                local_index=li,
+                lgeo=lgeo,
+                max_frame=max_frame,
             )
-        )
+        if rdesc is not None and _needs_fix(rdesc, ldesc, bs):
+            fixes.append((name, rdesc.memory_order))
     return RankPlan(
-        reads=plans,
+        reads=[reads[key].plan(*key, worker.layers) for key in sorted(reads)],
         notify=sorted(notify),
         expected_readers=expected,
         fixes=fixes,

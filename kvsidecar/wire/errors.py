@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 ErrorCode = Literal[
@@ -56,3 +57,11 @@ class SidecarError(Exception):
         self.code: ErrorCode = code
         self.message = message
         self.request_id = request_id
+
+
+def require_distinct(values: Sequence[Hashable], *, empty: str, repeated: str) -> None:
+    """Refuse (``invalid_message``) an empty list of names, or one that names a thing twice."""
+    if not values:
+        raise SidecarError("invalid_message", empty)
+    if len(set(values)) != len(values):
+        raise SidecarError("invalid_message", repeated)

@@ -1,0 +1,157 @@
+"""The producer side of node-to-node transfer: published requests, their leases, and reads.
+
+Blocks of a request are held from a `Publish` until every producer rank was read by its
+``expected_readers`` consumer ranks (counted from the consumers' `Notify` messages; then
+``finished_sending``), or until the lease ends (then ``finished_sending`` too, with
+``expired_sending``, counted in `Producer.leases_expired_total`, and later reads of that request
+are refused). Reads on the ZMQ plane are served here (`Producer.read`); the NIXL plane reads
+registered memory without the producer's daemon.
+
+`kvsidecar.peer.service.PeerService` owns the socket these messages arrive on and the task that
+runs `Producer.lease_loop`; every outcome leaves through its ``emit`` hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.registry import Engine, Registry
+from kvsidecar.peer.messages import Notify, PeerError, ReadBlocks
+from kvsidecar.peer.zmq_plane import serve_read
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.framing import IdArray
+from kvsidecar.wire.protocol import Ok, Publish
+from kvsidecar.wire.reports import PeerCompletion
+
+log = logging.getLogger("kvsidecar.peer")
+
+_MAX_RANGES = 1 << 20
+_EXPIRED_MEMORY = 4096
+"""How many expired request ids are remembered to refuse late reads."""
+
+
+@dataclass(eq=False)
+class _Held:
+    """A published request (or notifications that came before its publish)."""
+
+    deadline: float
+    published: bool = False
+    expected: int = 1
+    readers: dict[tuple[int, int], set[str]] = field(default_factory=dict)
+
+
+class Producer:
+    """Holds published requests for their readers, releases them, and serves their reads."""
+
+    def __init__(
+        self, config: Config, registry: Registry, emit: Callable[[PeerCompletion], None]
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.emit = emit
+        """Where completion events go (`kvsidecar.peer.service.PeerService.emit`)."""
+        self.leases_expired_total = 0
+        self.bytes_served_total = 0
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._expired: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+
+    def publish(self, req: Publish, ids: IdArray) -> Ok:
+        """Hold a request's blocks for remote readers until read or until the lease ends."""
+        engine = self.registry.engine(req.engine_id)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _num_blocks(engine)):
+            raise SidecarError("out_of_range", "published block ids outside the engine's cache")
+        lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
+        key = (req.engine_id, req.request_id)
+        held = self._held.setdefault(key, _Held(deadline=0.0))
+        held.published = True
+        held.deadline = time.monotonic() + lease
+        self._expired.pop(key, None)
+        self._check_sent(key)
+        return Ok(id=req.id)
+
+    def on_notify(self, msg: Notify) -> None:
+        """Count a consumer rank's read of one producer rank; release the request when all read."""
+        key = (msg.engine_id, msg.request_id)
+        held = self._held.get(key)
+        if held is None:
+            # Read before its publish arrived: remembered for one lease, then forgotten.
+            held = self._held[key] = _Held(deadline=time.monotonic() + self.config.peer_lease_s)
+        held.expected = max(held.expected, msg.expected_readers)
+        held.readers.setdefault((msg.tp_rank, msg.pp_rank), set()).add(msg.reader)
+        self._check_sent(key)
+
+    def _check_sent(self, key: tuple[str, str]) -> None:
+        held = self._held.get(key)
+        engine = self.registry.engines.get(key[0])
+        if held is None or not held.published or engine is None:
+            return
+        ranks = {(w.ref.tp_rank, w.ref.pp_rank) for w in engine.workers.values()}
+        if all(len(held.readers.get(r, ())) >= held.expected for r in ranks):
+            del self._held[key]
+            self.emit(PeerCompletion(engine_id=key[0], finished_sending=frozenset({key[1]})))
+
+    async def lease_loop(self) -> None:
+        """Release the requests whose lease ended, a few times per lease, until cancelled."""
+        period = min(0.25, self.config.peer_lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for key, held in list(self._held.items()):
+                if held.deadline > now:
+                    continue
+                del self._held[key]
+                if held.published:
+                    self._expire(key)
+
+    def _expire(self, key: tuple[str, str]) -> None:
+        self.leases_expired_total += 1
+        self._expired[key] = None
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        log.info("lease of %s/%s expired unread: blocks released", *key)
+        ids = frozenset({key[1]})
+        self.emit(PeerCompletion(engine_id=key[0], finished_sending=ids, expired_sending=ids))
+
+    def read(self, msg: ReadBlocks, data: list[zmq.Frame]) -> tuple[Any, list[Any]]:
+        """Answer a ZMQ-plane read: the reply and its data frames, or a `PeerError`."""
+        if len(data) != 1:
+            return PeerError(id=msg.id, code="bad_message", message="a read has 1 frame"), []
+        if (msg.engine_id, msg.request_id) in self._expired:
+            return PeerError(
+                id=msg.id,
+                code="expired",
+                message=f"request {msg.request_id!r} was released when its lease expired",
+            ), []
+        worker = next(
+            (
+                w
+                for w in self.registry.workers.values()
+                if w.ref.engine_id == msg.engine_id
+                and (w.ref.tp_rank, w.ref.pp_rank) == (msg.tp_rank, msg.pp_rank)
+            ),
+            None,
+        )
+        if worker is None:
+            return PeerError(
+                id=msg.id,
+                code="unknown_worker",
+                message=f"no worker {msg.engine_id}/tp{msg.tp_rank}.pp{msg.pp_rank}",
+            ), []
+        reply, frames = serve_read(msg, data[0].buffer, worker.device.layers, _MAX_RANGES)
+        if not isinstance(reply, PeerError):
+            self.bytes_served_total += reply.nbytes
+        return reply, frames
+
+
+def _num_blocks(engine: Engine) -> int:
+    first = next(iter(engine.workers.values()), None)
+    return 0 if first is None else int(first.device.num_blocks)
