@@ -1,8 +1,8 @@
 """The asyncio client, `AsyncSidecarClient`: concurrent calls matched to replies by request id.
 
-Requests are built by `kvsidecar.client.common._Base`; this module only carries them (``_call``
-and a reader callback on the socket), watches the fd channel, reconnects after a daemon restart,
-and runs the heartbeat task. Import it from `kvsidecar.client`.
+Requests are built by `kvsidecar.client.requests._Requests`; this module only carries them
+(``_call`` and a reader callback on the socket), watches the fd channel, reconnects after a daemon
+restart, and runs the heartbeat task. Import it from `kvsidecar.client`.
 
 The socket is a plain pyzmq socket read from an event-loop reader callback, like the daemon's,
 not a ``zmq.asyncio`` socket read by a task: the task's wake-up and the ``zmq.asyncio``
@@ -23,7 +23,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar.client.common import Ids, R, T, _Base, _Call, _check
+from kvsidecar.client.codec import Ids, R, T, _check
+from kvsidecar.client.common import _Registration
+from kvsidecar.client.requests import _Call, _Requests
 from kvsidecar.core import layout
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.curve import KeyPair
@@ -62,7 +64,7 @@ def _expire(fut: asyncio.Future[Any]) -> None:
         fut.set_exception(_Expired())
 
 
-class AsyncSidecarClient(_Base):
+class AsyncSidecarClient(_Requests):
     """asyncio client: ``async with AsyncSidecarClient(endpoint) as c:`` (or ``await c.start()``).
 
     Calls may run concurrently on one client; replies are matched to calls by request id.
@@ -217,21 +219,22 @@ class AsyncSidecarClient(_Base):
         timeout: float | None = None,
     ) -> Registered:
         """Register this worker's KV tensors; see `SidecarClient.register_kv_caches`."""
-        kwargs = {
-            "engine_id": engine_id,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "pp_rank": pp_rank,
-            "pp_size": pp_size,
-            "dcp_rank": dcp_rank,
-            "dcp_size": dcp_size,
-            "model_hash": model_hash,
-            "arrangement": arrangement,
-            "memory_order": memory_order,
-            "shape_order": shape_order,
-            "host_blocks": host_blocks,
-        }
-        reply = await self._run(self._register(kv_caches, kwargs, timeout))
+        reg = _Registration(
+            dict(kv_caches),
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dcp_rank=dcp_rank,
+            dcp_size=dcp_size,
+            model_hash=model_hash,
+            arrangement=arrangement,
+            memory_order=memory_order,
+            shape_order=shape_order,
+            host_blocks=host_blocks,
+        )
+        reply = await self._run(self._register(reg, timeout))
         self._watch_fd_channel()
         if self._heartbeat_enabled and self._hb_task is None:
             self._hb_task = asyncio.create_task(self._heartbeat_loop(reply.lease_s / 3))
@@ -286,52 +289,32 @@ class AsyncSidecarClient(_Base):
         self._lost = True
         for rid, fut in list(self._pending.items()):
             if not fut.done():
-                fut.set_exception(
-                    SidecarError(
-                        "connection_lost",
-                        f"the daemon went away while request {rid} was in flight: its outcome "
-                        "is unknown (treat a move's destination blocks as invalid)",
-                        request_id=rid,
-                    )
-                )
+                fut.set_exception(self._lost_error("request", rid))
 
     async def reconnect(self, *, timeout: float | None = None) -> None:
         """Reconnect to a restarted daemon and re-register; see `SidecarClient.reconnect`."""
         async with self._reconnect_lock:
             if not self._lost and not self._daemon_gone() and self.daemon is not None:
                 return  # another task reconnected while this one waited
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-            delay = 0.05
             self._unwatch_fd_channel()
-            self._close_fd_channel()
-            self._lost = False
+            backoff = self._start_reconnect(timeout)
             while True:
                 await self._reset_socket()
-                left = deadline - time.monotonic()
                 try:
-                    self.daemon = await self.hello(timeout=max(0.05, min(1.0, left)))
+                    self.daemon = await self.hello(timeout=backoff.hello_timeout())
                     break
                 except SidecarError as exc:
-                    if time.monotonic() + delay >= deadline:
-                        self._lost = True
-                        raise SidecarError(
-                            "connection_lost", f"the daemon did not come back: {exc}"
-                        ) from None
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 2.0)
+                    await asyncio.sleep(self._retry_pause(backoff, exc))
             self._unwatch_fd_channel()
             self._forget_workers()
             try:
-                for kv_caches, kwargs in self._registrations:
-                    await self._run(self._register(kv_caches, kwargs, remember=False))
+                for reg in self._registrations:
+                    await self._run(self._register(reg, remember=False))
             except SidecarError:
                 self._lost = True
                 raise
             self._watch_fd_channel()
-            self.reconnects += 1
-            log.info(
-                "reconnected to %s; re-registered %d workers", self.endpoint, len(self.workers)
-            )
+            self._reconnected()
 
     async def _reset_socket(self) -> None:
         self._close_socket()

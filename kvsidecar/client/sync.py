@@ -1,7 +1,8 @@
 """The blocking client, `SidecarClient`: one socket, calls in turn, a heartbeat thread.
 
-Requests are built by `kvsidecar.client.common._Base`; this module only carries them (``_call``),
-reconnects after a daemon restart, and runs the heartbeat. Import it from `kvsidecar.client`.
+Requests are built by `kvsidecar.client.requests._Requests`; this module only carries them
+(``_call``), reconnects after a daemon restart, and runs the heartbeat. Import it from
+`kvsidecar.client`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Literal
 import torch
 import zmq
 
-from kvsidecar.client.common import Ids, R, T, _Base, _Call, _check
+from kvsidecar.client.codec import Ids, R, T, _check
+from kvsidecar.client.common import _Registration
+from kvsidecar.client.requests import _Call, _Requests
 from kvsidecar.core import layout
 from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError
@@ -40,7 +43,7 @@ __all__ = ["SidecarClient"]
 log = logging.getLogger("kvsidecar.client")
 
 
-class SidecarClient(_Base):
+class SidecarClient(_Requests):
     """Blocking client. Connects and says hello in the constructor; use as a context manager.
 
     ``timeout_s`` bounds every call (override per call with ``timeout=``); a call that times out
@@ -100,7 +103,7 @@ class SidecarClient(_Base):
                 if self._sock not in ready:
                     if ready and self._daemon_gone():
                         self._lost = True
-                        raise self._lost_error(req)
+                        raise self._lost_error(type(req).__name__, req.id)
                     if time.monotonic() >= deadline:
                         raise SidecarError(
                             "timeout",
@@ -135,39 +138,24 @@ class SidecarClient(_Base):
         they are: they are exported again, with new epochs. Calls lock out meanwhile.
         """
         with self._lock:
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-            delay = 0.05
-            # The hello below must not recurse into reconnect: the dead daemon's fd channel goes
-            # now (a re-registration opens a new one), and the loss is cleared while trying.
-            self._close_fd_channel()
-            self._lost = False
+            backoff = self._start_reconnect(timeout)
             while True:
                 # A fresh socket: nothing queued for the dead daemon is sent to the new one.
                 self._sock.close(linger=0)
                 self._sock = self._new_socket()
-                left = deadline - time.monotonic()
                 try:
-                    self.daemon = self.hello(timeout=max(0.05, min(1.0, left)))
+                    self.daemon = self.hello(timeout=backoff.hello_timeout())
                     break
                 except SidecarError as exc:
-                    if time.monotonic() + delay >= deadline:
-                        self._lost = True
-                        raise SidecarError(
-                            "connection_lost", f"the daemon did not come back: {exc}"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
+                    time.sleep(self._retry_pause(backoff, exc))
             self._forget_workers()
             try:
-                for kv_caches, kwargs in self._registrations:
-                    self._run(self._register(kv_caches, kwargs, remember=False))
+                for reg in self._registrations:
+                    self._run(self._register(reg, remember=False))
             except SidecarError:
                 self._lost = True  # try again on the next call
                 raise
-            self.reconnects += 1
-            log.info(
-                "reconnected to %s; re-registered %d workers", self.endpoint, len(self.workers)
-            )
+            self._reconnected()
 
     # -- commands
 
@@ -199,21 +187,22 @@ class SidecarClient(_Base):
         which; ``memory_order`` is checked when given) and exported by handle, never copied.
         ``host_blocks`` declares the engine's host-pool capacity (first worker of the engine).
         """
-        kwargs = {
-            "engine_id": engine_id,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "pp_rank": pp_rank,
-            "pp_size": pp_size,
-            "dcp_rank": dcp_rank,
-            "dcp_size": dcp_size,
-            "model_hash": model_hash,
-            "arrangement": arrangement,
-            "memory_order": memory_order,
-            "shape_order": shape_order,
-            "host_blocks": host_blocks,
-        }
-        reply = self._run(self._register(kv_caches, kwargs, timeout))
+        reg = _Registration(
+            dict(kv_caches),
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dcp_rank=dcp_rank,
+            dcp_size=dcp_size,
+            model_hash=model_hash,
+            arrangement=arrangement,
+            memory_order=memory_order,
+            shape_order=shape_order,
+            host_blocks=host_blocks,
+        )
+        reply = self._run(self._register(reg, timeout))
         self._start_heartbeat(reply.lease_s)
         return reply
 
