@@ -28,7 +28,8 @@ from __future__ import annotations
 # The clients live in package-private modules, one owner each: `kvsidecar.client.codec` (ids,
 # msgpack, reply checks), `kvsidecar.client.export` (tensor export), `kvsidecar.client.common`
 # (client state, reconnection), `kvsidecar.client.requests` (one request builder per command),
-# and the two transports, `kvsidecar.client.sync` and `kvsidecar.client.aio`.
+# `kvsidecar.client.sync_transport` and `kvsidecar.client.aio_transport` (how calls travel), and
+# the typed public methods in `kvsidecar.client.sync` and `kvsidecar.client.aio`.
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers

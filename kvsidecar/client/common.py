@@ -22,7 +22,7 @@ from kvsidecar.memory.fd_channel import FdChannelClient
 from kvsidecar.wire.curve import KeyPair, client_keys_from_env, secure_client_socket
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import HelloReply, Registered
+from kvsidecar.wire.protocol import HelloReply, Registered, Request
 from kvsidecar.wire.types import Arrangement, BufferSetRef, MemoryOrder, WorkerRef
 
 log = logging.getLogger("kvsidecar.client")
@@ -135,6 +135,13 @@ class _Base:
             f"the daemon went away while {what} {request_id} was in flight: its "
             "outcome is unknown (treat a move's destination blocks as invalid)",
             request_id=request_id,
+        )
+
+    @staticmethod
+    def _timeout_error(req: Request) -> SidecarError:
+        """Make the error of a call whose reply did not come within its timeout."""
+        return SidecarError(
+            "timeout", f"no reply to {type(req).__name__} within the timeout", request_id=req.id
         )
 
     def _registered(self, reply: Registered) -> Registered:

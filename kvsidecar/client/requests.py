@@ -3,9 +3,10 @@
 A command is a `_Call`: its request built from the method's arguments, the reply type it
 expects, its data frames, its timeout, and the method's result made from the reply.
 
-`_Requests` holds one builder per command; a client (`kvsidecar.client.sync`,
-`kvsidecar.client.aio`) carries a `_Call` over its socket and applies ``finish`` to the checked
-reply, so each of its public methods is one line around a builder.
+`_Requests` holds one builder per command. A client's public method (`kvsidecar.client.sync`,
+`kvsidecar.client.aio`) only passes its arguments to the builder; its transport
+(`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`) carries the `_Call` over
+the socket, checks the reply against ``expected`` and applies ``finish``.
 """
 
 from __future__ import annotations
