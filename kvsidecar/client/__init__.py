@@ -25,10 +25,14 @@ endpoint with CurveZMQ pass ``curve=(daemon_public_key, client_key_pair)`` or se
 
 from __future__ import annotations
 
-# The clients live in package-private modules, one owner each: `kvsidecar.client.common` (codec,
-# tensor export, request building), `kvsidecar.client.sync`, `kvsidecar.client.aio`.
+# The clients live in package-private modules, one owner each: `kvsidecar.client.codec` (ids,
+# msgpack, reply checks), `kvsidecar.client.export` (tensor export), `kvsidecar.client.common`
+# (client state, reconnection), `kvsidecar.client.requests` (one request builder per command),
+# `kvsidecar.client.sync_transport` and `kvsidecar.client.aio_transport` (how calls travel), and
+# the typed public methods in `kvsidecar.client.sync` and `kvsidecar.client.aio`.
 from kvsidecar.client.aio import AsyncSidecarClient
-from kvsidecar.client.common import Ids, export_layers
+from kvsidecar.client.codec import Ids
+from kvsidecar.client.export import export_layers
 from kvsidecar.client.sync import SidecarClient
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError

@@ -1,35 +1,31 @@
 """The blocking client, `SidecarClient`: one socket, calls in turn, a heartbeat thread.
 
-Requests are built by `kvsidecar.client.common._Base`; this module only carries them (``_call``),
-reconnects after a daemon restart, and runs the heartbeat. Import it from `kvsidecar.client`.
+This module is its public face: one typed method per command, each building its call with
+`kvsidecar.client.requests._Requests` and running it on the transport underneath
+(`kvsidecar.client.sync_transport`: socket, reconnection, heartbeat thread). Import it from
+`kvsidecar.client`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import zmq
 
-from kvsidecar.client.common import Ids, R, T, _Base, _Call, _check
+from kvsidecar.client.codec import Ids
+from kvsidecar.client.common import _Registration
+from kvsidecar.client.sync_transport import _BlockingTransport
 from kvsidecar.core import layout
-from kvsidecar.wire.curve import KeyPair
-from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
-    Error,
     Fixed,
     HelloReply,
     Moved,
     Pulled,
     Registered,
     Reported,
-    Request,
     StatusReply,
 )
 from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
@@ -37,139 +33,14 @@ from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder,
 
 __all__ = ["SidecarClient"]
 
-log = logging.getLogger("kvsidecar.client")
 
-
-class SidecarClient(_Base):
+class SidecarClient(_BlockingTransport):
     """Blocking client. Connects and says hello in the constructor; use as a context manager.
 
     ``timeout_s`` bounds every call (override per call with ``timeout=``); a call that times out
     raises `SidecarError` with code ``timeout`` and its late reply is discarded. ``heartbeat``:
     renew the leases of registered workers from a background thread.
     """
-
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        *,
-        timeout_s: float = 10.0,
-        name: str = "",
-        heartbeat: bool = True,
-        context: zmq.Context[Any] | None = None,
-        curve: tuple[bytes, KeyPair] | None = None,
-    ) -> None:
-        super().__init__(endpoint, timeout_s, name, curve)
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = self._new_socket()
-        self._heartbeat_enabled = heartbeat
-        self._hb_thread: threading.Thread | None = None
-        self._hb_stop = threading.Event()
-        self._closed = False
-        # One call at a time on the socket: the heartbeat thread reconnects through it too.
-        self._lock = threading.RLock()
-        try:
-            self.daemon = self.hello()
-        except BaseException:
-            self.close()
-            raise
-
-    # -- plumbing
-
-    def _call(
-        self,
-        req: Request,
-        expected: type[R],
-        data: Sequence[Any] = (),
-        timeout: float | None = None,
-    ) -> tuple[R, list[memoryview]]:
-        if self._closed:
-            raise SidecarError("internal", "the client is closed")
-        with self._lock:
-            if self._lost or self._daemon_gone():
-                self._lost = True
-                self.reconnect()  # raises connection_lost while the daemon stays away
-            self._sock.send_multipart([self._codec.encoder.encode(req), *data], copy=False)
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-            poller = zmq.Poller()
-            poller.register(self._sock, zmq.POLLIN)
-            if self._fd_channel is not None:  # EOF on it: the daemon died with our request
-                poller.register(self._fd_channel.fileno(), zmq.POLLIN)
-            while True:
-                left = deadline - time.monotonic()
-                ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
-                if self._sock not in ready:
-                    if ready and self._daemon_gone():
-                        self._lost = True
-                        raise self._lost_error(req)
-                    if time.monotonic() >= deadline:
-                        raise SidecarError(
-                            "timeout",
-                            f"no reply to {type(req).__name__} within the timeout",
-                            request_id=req.id,
-                        )
-                    continue
-                reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
-                if reply.id == req.id or (reply.id == 0 and isinstance(reply, Error)):
-                    return _check(reply, expected), frames
-                # A late reply to a call that timed out: drop it.
-
-    def _run(self, call: _Call[R, T]) -> T:
-        reply, frames = self._call(call.req, call.expected, call.data, call.timeout)
-        return call.finish(reply, frames)
-
-    # -- reliability: reconnect after a daemon restart
-
-    def _new_socket(self) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        self._secure(sock)
-        sock.connect(self.endpoint)
-        return sock
-
-    def reconnect(self, *, timeout: float | None = None) -> None:
-        """Reconnect to a restarted daemon and re-register every worker registered here.
-
-        Retries with exponential backoff (50 ms doubling to 2 s) for up to ``timeout`` seconds
-        (default: the client's ``timeout_s``); raises `SidecarError` ``connection_lost`` if the
-        daemon does not come back in time (the next call tries again). The tensors stay where
-        they are: they are exported again, with new epochs. Calls lock out meanwhile.
-        """
-        with self._lock:
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-            delay = 0.05
-            # The hello below must not recurse into reconnect: the dead daemon's fd channel goes
-            # now (a re-registration opens a new one), and the loss is cleared while trying.
-            self._close_fd_channel()
-            self._lost = False
-            while True:
-                # A fresh socket: nothing queued for the dead daemon is sent to the new one.
-                self._sock.close(linger=0)
-                self._sock = self._new_socket()
-                left = deadline - time.monotonic()
-                try:
-                    self.daemon = self.hello(timeout=max(0.05, min(1.0, left)))
-                    break
-                except SidecarError as exc:
-                    if time.monotonic() + delay >= deadline:
-                        self._lost = True
-                        raise SidecarError(
-                            "connection_lost", f"the daemon did not come back: {exc}"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-            self._forget_workers()
-            try:
-                for kv_caches, kwargs in self._registrations:
-                    self._run(self._register(kv_caches, kwargs, remember=False))
-            except SidecarError:
-                self._lost = True  # try again on the next call
-                raise
-            self.reconnects += 1
-            log.info(
-                "reconnected to %s; re-registered %d workers", self.endpoint, len(self.workers)
-            )
-
-    # -- commands
 
     def hello(self, *, timeout: float | None = None) -> HelloReply:
         """Check protocol versions and learn the daemon's fd socket, lease and limits."""
@@ -199,22 +70,23 @@ class SidecarClient(_Base):
         which; ``memory_order`` is checked when given) and exported by handle, never copied.
         ``host_blocks`` declares the engine's host-pool capacity (first worker of the engine).
         """
-        kwargs = {
-            "engine_id": engine_id,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "pp_rank": pp_rank,
-            "pp_size": pp_size,
-            "dcp_rank": dcp_rank,
-            "dcp_size": dcp_size,
-            "model_hash": model_hash,
-            "arrangement": arrangement,
-            "memory_order": memory_order,
-            "shape_order": shape_order,
-            "host_blocks": host_blocks,
-        }
-        reply = self._run(self._register(kv_caches, kwargs, timeout))
-        self._start_heartbeat(reply.lease_s)
+        reg = _Registration(
+            dict(kv_caches),
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dcp_rank=dcp_rank,
+            dcp_size=dcp_size,
+            model_hash=model_hash,
+            arrangement=arrangement,
+            memory_order=memory_order,
+            shape_order=shape_order,
+            host_blocks=host_blocks,
+        )
+        reply = self._run(self._register(reg, timeout))
+        self._keep_alive(reply.lease_s)
         return reply
 
     def grant(
@@ -435,67 +307,6 @@ class SidecarClient(_Base):
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """Return the daemon's engines, workers, buffers, host pool, in-flight moves and totals."""
         return self._run(self._status(timeout))
-
-    # -- lifecycle
-
-    def _start_heartbeat(self, lease_s: float) -> None:
-        if not self._heartbeat_enabled or self._hb_thread is not None:
-            return
-        self._hb_thread = threading.Thread(
-            target=self._heartbeat_loop,
-            args=(lease_s / 3,),
-            name="kvsidecar-heartbeat",
-            daemon=True,
-        )
-        self._hb_thread.start()
-
-    def _heartbeat_loop(self, interval: float) -> None:
-        # Its own socket: zmq sockets must not be shared between threads.
-        sock = self._new_socket()
-        try:
-            while not self._hb_stop.wait(interval):
-                forgotten = False
-                # Drain replies; an unknown_worker means the daemon forgot us (restart).
-                while sock.poll(0, zmq.POLLIN):
-                    reply, _ = self._codec.decode(sock.recv_multipart())
-                    if isinstance(reply, Error):
-                        log.warning("heartbeat refused: %s %s", reply.code, reply.message)
-                        forgotten |= reply.code in ("unknown_worker", "unknown_engine")
-                if (forgotten or self._lost or self._daemon_gone()) and self._registrations:
-                    self._reconnect_from_heartbeat(interval)
-                    continue
-                with self._lock:
-                    req = self._heartbeat_request(list(self.workers))
-                sock.send(self._codec.encoder.encode(req))
-        finally:
-            sock.close(linger=0)
-
-    def _reconnect_from_heartbeat(self, interval: float) -> None:
-        # The engine may be idle: re-register now rather than on its next call. The lock is
-        # only waited for briefly, so a long call of the engine's just delays this.
-        if not self._lock.acquire(timeout=interval):
-            return
-        try:
-            self._lost = True
-            self.reconnect(timeout=interval)
-        except SidecarError as exc:
-            log.info("daemon not back yet: %s", exc)
-        finally:
-            self._lock.release()
-
-    def close(self) -> None:
-        """Stop the heartbeat, close the fd channel and the socket. Idempotent.
-
-        Closing the fd channel makes the daemon release the workers registered through it.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
-        self._close_fd_channel()
-        self._sock.close(linger=0)
 
     def __enter__(self) -> SidecarClient:
         return self

@@ -1,0 +1,189 @@
+"""How `SidecarClient` carries its calls, and keeps its daemon.
+
+One DEALER socket, one call at a time: send, then poll the socket and the fd channel until the
+reply with the call's id comes (late replies to calls that timed out are dropped), the daemon's
+death shows, or the timeout passes. Reconnection after a daemon restart, and the heartbeat thread
+(its own socket).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from kvsidecar.client.codec import R, T, _check
+from kvsidecar.client.requests import _Call, _Requests
+from kvsidecar.wire.curve import KeyPair
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.protocol import Error, Request
+
+log = logging.getLogger("kvsidecar.client")
+
+
+class _BlockingTransport(_Requests):
+    """The blocking transport under `SidecarClient`: connects and says hello when made."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        name: str = "",
+        heartbeat: bool = True,
+        context: zmq.Context[Any] | None = None,
+        curve: tuple[bytes, KeyPair] | None = None,
+    ) -> None:
+        super().__init__(endpoint, timeout_s, name, curve)
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] = self._new_socket()
+        self._heartbeat_enabled = heartbeat
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._closed = False
+        # One call at a time on the socket: the heartbeat thread reconnects through it too.
+        self._lock = threading.RLock()
+        try:
+            self.daemon = self._run(self._hello(None))
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(
+        self,
+        req: Request,
+        expected: type[R],
+        data: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> tuple[R, list[memoryview]]:
+        if self._closed:
+            raise SidecarError("internal", "the client is closed")
+        with self._lock:
+            if self._lost or self._daemon_gone():
+                self._lost = True
+                self.reconnect()  # raises connection_lost while the daemon stays away
+            self._sock.send_multipart([self._codec.encoder.encode(req), *data], copy=False)
+            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            if self._fd_channel is not None:  # EOF on it: the daemon died with our request
+                poller.register(self._fd_channel.fileno(), zmq.POLLIN)
+            while True:
+                left = deadline - time.monotonic()
+                ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+                if self._sock not in ready:
+                    if ready and self._daemon_gone():
+                        self._lost = True
+                        raise self._lost_error(type(req).__name__, req.id)
+                    if time.monotonic() >= deadline:
+                        raise self._timeout_error(req)
+                    continue
+                reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
+                if reply.id == req.id or (reply.id == 0 and isinstance(reply, Error)):
+                    return _check(reply, expected), frames
+                # A late reply to a call that timed out: drop it.
+
+    def _run(self, call: _Call[R, T]) -> T:
+        reply, frames = self._call(call.req, call.expected, call.data, call.timeout)
+        return call.finish(reply, frames)
+
+    # -- reliability: reconnect after a daemon restart
+
+    def _new_socket(self) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._secure(sock)
+        sock.connect(self.endpoint)
+        return sock
+
+    def reconnect(self, *, timeout: float | None = None) -> None:
+        """Reconnect to a restarted daemon and re-register every worker registered here.
+
+        Retries with exponential backoff (50 ms doubling to 2 s) for up to ``timeout`` seconds
+        (default: the client's ``timeout_s``); raises `SidecarError` ``connection_lost`` if the
+        daemon does not come back in time (the next call tries again). The tensors stay where
+        they are: they are exported again, with new epochs. Calls lock out meanwhile.
+        """
+        with self._lock:
+            backoff = self._start_reconnect(timeout)
+            while True:
+                # A fresh socket: nothing queued for the dead daemon is sent to the new one.
+                self._sock.close(linger=0)
+                self._sock = self._new_socket()
+                try:
+                    self.daemon = self._run(self._hello(backoff.hello_timeout()))
+                    break
+                except SidecarError as exc:
+                    time.sleep(self._retry_pause(backoff, exc))
+            self._forget_workers()
+            try:
+                for reg in self._registrations:
+                    self._run(self._register(reg, remember=False))
+            except SidecarError:
+                self._lost = True  # try again on the next call
+                raise
+            self._reconnected()
+
+    def _keep_alive(self, lease_s: float) -> None:
+        """After a registration: renew its lease from a background thread."""
+        if not self._heartbeat_enabled or self._hb_thread is not None:
+            return
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(lease_s / 3,),
+            name="kvsidecar-heartbeat",
+            daemon=True,
+        )
+        self._hb_thread.start()
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        # Its own socket: zmq sockets must not be shared between threads.
+        sock = self._new_socket()
+        try:
+            while not self._hb_stop.wait(interval):
+                forgotten = False
+                # Drain replies; an unknown_worker means the daemon forgot us (restart).
+                while sock.poll(0, zmq.POLLIN):
+                    reply, _ = self._codec.decode(sock.recv_multipart())
+                    if isinstance(reply, Error):
+                        log.warning("heartbeat refused: %s %s", reply.code, reply.message)
+                        forgotten |= reply.code in ("unknown_worker", "unknown_engine")
+                if (forgotten or self._lost or self._daemon_gone()) and self._registrations:
+                    self._reconnect_from_heartbeat(interval)
+                    continue
+                with self._lock:
+                    req = self._heartbeat_request(list(self.workers))
+                sock.send(self._codec.encoder.encode(req))
+        finally:
+            sock.close(linger=0)
+
+    def _reconnect_from_heartbeat(self, interval: float) -> None:
+        # The engine may be idle: re-register now rather than on its next call. The lock is
+        # only waited for briefly, so a long call of the engine's just delays this.
+        if not self._lock.acquire(timeout=interval):
+            return
+        try:
+            self._lost = True
+            self.reconnect(timeout=interval)
+        except SidecarError as exc:
+            log.info("daemon not back yet: %s", exc)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the fd channel and the socket. Idempotent.
+
+        Closing the fd channel makes the daemon release the workers registered through it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        self._close_fd_channel()
+        self._sock.close(linger=0)
