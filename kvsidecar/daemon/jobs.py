@@ -8,7 +8,7 @@ copy thread.
 Block-size ratio on a move: when the destination's blocks hold ``r`` times the tokens of the
 source's, the destination's per-block byte rows are viewed as ``r`` consecutive sub-rows, and
 destination block ``d`` is written as sub-blocks ``d*r .. d*r + r - 1`` from ``r`` source blocks.
-That is a plain block copy at source granularity, after which `layout.fix_received` turns the
+That is a plain block copy at source granularity, after which `fix_received` turns the
 packed remote blocks into the local block (the reference's ``kv_postprocess_blksize_*``).
 """
 
@@ -21,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.core import integrity, layout, mover
+from kvsidecar.core import integrity, mover
+from kvsidecar.core.fixes import fix_received
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
@@ -132,14 +133,14 @@ def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
 def fix_layers(
     targets: Sequence[tuple[LayerBuffer, MemoryOrder]], index: torch.Tensor, ratio: int
 ) -> None:
-    """Run `layout.fix_received` on blocks ``index`` of each layer, written in its remote order.
+    """Run `fix_received` on blocks ``index`` of each layer, written in its remote order.
 
     The one place that turns a raw copy's destination blocks into the layers' own layout: local
     moves, in-place fixes and node-to-node pulls all end here (on a copy thread).
     """
     for layer, remote_order in targets:
         desc = layer.descriptor
-        layout.fix_received(
+        fix_received(
             layer.cache,
             index,
             remote_layout=remote_order,
