@@ -5,7 +5,8 @@
 - `fixes`: the receive-side layout fixes (permute, block-size remap, both), `fix_received`.
 - `topology`: `EngineTransferInfo`, `TransferTopology`: which remote ranks a rank reads.
 - `aggregator`: `CompletionAggregator`, the per-engine completion semantics.
-- `mover`: a move planned as coalesced runs of blocks, validated, and copied.
+- `mover`: a move validated and planned as coalesced runs of blocks.
+- `copier`: a planned move copied, layers stacked where they share one region.
 - `integrity`: block checksums for end-to-end verification of moves.
 
 May import numpy, torch and `kvsidecar.wire` types; nothing else of the package.

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.core import integrity, mover
+from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
@@ -162,8 +162,8 @@ class _PairPlan:
     ratio: int
     fixes: list[tuple[LayerBuffer, MemoryOrder]]
     cpu_groups: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
-    """`mover.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
-    copies through these, small ones with `mover.copy_small`, larger with `mover.copy_groups`."""
+    """`copier.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
+    copies through these, small ones with `copier.copy_small`, larger with `copier.copy_groups`."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
 
@@ -194,7 +194,7 @@ def _pair_plan(
             for n in names
             if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
         ],
-        cpu_groups=mover.cpu_groups(src_views, dst_views) if ratio == 1 else None,
+        cpu_groups=copier.cpu_groups(src_views, dst_views) if ratio == 1 else None,
         src_views=src_views,
         dst_views=dst_views,
     )
@@ -236,7 +236,7 @@ def prepare_move(
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
         def copy() -> int:
-            return mover.copy_small(groups, runs)
+            return copier.copy_small(groups, runs)
 
     else:
         src_idx = src_ids.astype(np.int64)
@@ -253,10 +253,10 @@ def prepare_move(
         def copy() -> int:
             if verification is None:
                 if prepared is not None:
-                    return mover.copy_groups(prepared, plan)
-                return mover.copy_runs(src_views, dst_views, plan)
+                    return copier.copy_groups(prepared, plan)
+                return copier.copy_runs(src_views, dst_views, plan)
             return integrity.verified_copy(
-                lambda: int(mover.copy_runs(src_views, dst_views, plan)),
+                lambda: int(copier.copy_runs(src_views, dst_views, plan)),
                 src_views=src_views,
                 src_ids=src_idx,
                 dst_views=dst_views,
