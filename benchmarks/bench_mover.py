@@ -1,4 +1,4 @@
-"""Block-copy benchmark: kvsidecar.core.mover against a naive per-layer copy and raw memcpy.
+"""Block-copy benchmark: kvsidecar.core.mover + copier against a naive per-layer copy and memcpy.
 
 The in-process half of ``kvsidecar bench local``, with two layouts and two thread counts: a thin
 wrapper whose workload (caches, ids, copies, baselines, checks) is `kvsidecar.bench.workload`.
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvsidecar.bench import workload
 from kvsidecar.bench.common import round_robin
-from kvsidecar.core import mover
+from kvsidecar.core import copier, mover
 
 BLOCK_SHAPE = (16, 8, 128)  # block_size, num_kv_heads, head_size
 DTYPE = torch.float16
@@ -63,7 +63,7 @@ def bench_ids(
     nbytes = args.layers * args.blocks * int(np.prod(BLOCK_SHAPE)) * DTYPE.itemsize
     src_ids, dst_ids = ids
     s_idx, d_idx = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
-    threads = mover.default_copy_threads() if args.threads is None else args.threads
+    threads = copier.default_copy_threads() if args.threads is None else args.threads
     methods = [
         ("memcpy (np.copyto, contiguous)", memcpy),
         (f"mover, {threads} threads", workload.run_copy(src, dst, src_ids, dst_ids, args.threads)),
@@ -152,7 +152,7 @@ def main() -> None:
         f"{args.layers} layers x ({args.num_blocks}, {', '.join(map(str, BLOCK_SHAPE))}) float16, "
         f"{args.blocks} blocks/layer moved = {nbytes / 2**20:.0f} MiB per copy; "
         f"torch threads {torch.get_num_threads()}, mover threads "
-        f"{args.threads or mover.default_copy_threads()}, {args.repeat} repeats",
+        f"{args.threads or copier.default_copy_threads()}, {args.repeat} repeats",
         flush=True,
     )
 

@@ -1,4 +1,4 @@
-"""Tests of kvsidecar.core.layout against independent references written as plain loops.
+"""Tests of kvsidecar.core.layout and .fixes against independent references written as loops.
 
 Every expectation here is built element by element from offsets the tests compute themselves:
 where a K/V region starts, where token n / head h / channel c sits in NHD or HND memory. The
@@ -18,7 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvsidecar.core.layout as layout_module
+import kvsidecar.core.fixes as fixes_module
+from kvsidecar.core.fixes import fix_received
 from kvsidecar.core.layout import (
     LayoutError,
     block_bytes,
@@ -26,7 +27,6 @@ from kvsidecar.core.layout import (
     block_views,
     buffer_nbytes,
     describe_tensor,
-    fix_received,
     head_slice,
     head_slice_target,
     heads_of_rank,
@@ -127,7 +127,7 @@ PATHS = ["vectorised", "per_block"]
 def fix_path(path: str) -> Iterator[None]:
     """Force one of fix_received's two CPU strategies (normally chosen by block size)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(layout_module, "_PER_BLOCK_MIN_BYTES", 0 if path == "per_block" else 1 << 62)
+        mp.setattr(fixes_module, "_PER_BLOCK_MIN_BYTES", 0 if path == "per_block" else 1 << 62)
         yield
 
 

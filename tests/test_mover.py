@@ -1,4 +1,4 @@
-"""Tests for kvsidecar.core.mover, checked against an independent per-block loop."""
+"""Tests for kvsidecar.core.mover and .copier, checked against an independent per-block loop."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.core import mover
+from kvsidecar.core import copier, mover
+from kvsidecar.core.copier import copy_runs
 from kvsidecar.core.mover import (
     MoveError,
     Run,
     RunPlan,
     clip_ssm_state_blocks,
-    copy_runs,
     plan_runs,
     validate_move,
 )
@@ -386,8 +386,8 @@ def test_copy_runs_threaded_matches_naive(data: st.DataObject) -> None:
     dst_arr = data.draw(st.sampled_from(sorted(ARRANGEMENTS)), label="dst layout")
     threads = data.draw(st.integers(2, 5), label="threads")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mover, "_PARALLEL_MIN_BYTES", 0)
-        mp.setattr(mover, "_PARALLEL_MIN_CALL_BYTES", 0)
+        mp.setattr(copier, "_PARALLEL_MIN_BYTES", 0)
+        mp.setattr(copier, "_PARALLEL_MIN_CALL_BYTES", 0)
         _check_copy(data, ARRANGEMENTS[src_arr], ARRANGEMENTS[dst_arr], torch.float16, threads)
 
 
@@ -411,21 +411,21 @@ def test_copy_runs_from_aliasing_sources(data: st.DataObject) -> None:
 def test_layer_stacking_is_found(arrangement: str, groups: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     _, views = ARRANGEMENTS[arrangement](4, 8, 16, torch.float16, gen)
-    rows = [mover._byte_rows(v, "v") for v in views]
-    found = mover._group_views(rows, rows)
+    rows = [copier._byte_rows(v, "v") for v in views]
+    found = copier._group_views(rows, rows)
     assert [s.layers for s, _ in found] == groups
 
 
 def test_overlapping_destinations_do_not_stack() -> None:
     # two views one block apart in one storage: they share 7 of their 8 blocks
     base = torch.zeros(10, 4)
-    shifted = [mover._byte_rows(base[i : i + 8], "v") for i in range(2)]
+    shifted = [copier._byte_rows(base[i : i + 8], "v") for i in range(2)]
     region = torch.zeros(2, 8, 4)
-    packed = [mover._byte_rows(region[i], "v") for i in range(2)]
-    assert [s.layers for s, _ in mover._group_views(packed, packed)] == [2]
-    assert [s.layers for s, _ in mover._group_views(packed, shifted)] == [1, 1]
+    packed = [copier._byte_rows(region[i], "v") for i in range(2)]
+    assert [s.layers for s, _ in copier._group_views(packed, packed)] == [2]
+    assert [s.layers for s, _ in copier._group_views(packed, shifted)] == [1, 1]
     # as sources the same views stack: reads may alias
-    assert [s.layers for s, _ in mover._group_views(shifted, packed)] == [2]
+    assert [s.layers for s, _ in copier._group_views(shifted, packed)] == [2]
 
 
 def test_copy_runs_large_move_uses_threads_and_matches() -> None:
@@ -446,7 +446,7 @@ def test_copy_runs_large_move_uses_threads_and_matches() -> None:
 def test_split_blocks_covers_plan_exactly() -> None:
     plan = plan_runs([0, 1, 2, 3, 9, 20, 21], [5, 6, 7, 8, 0, 11, 12])
     for parts in range(1, 9):
-        pieces = mover._split_blocks(plan, parts)
+        pieces = copier._split_blocks(plan, parts)
         pairs = [
             (s + k, d + k)
             for piece in pieces
@@ -605,20 +605,20 @@ def test_copy_small_matches_a_block_by_block_reference(
     for s_view, w_view in zip(src, want, strict=True):  # the reference: one block at a time
         for s, d in zip(src_ids, dst_ids, strict=True):
             w_view[d] = s_view[s]
-    groups = mover.cpu_groups(src, got)
+    groups = copier.cpu_groups(src, got)
     assert groups is not None
     if kind == "one region":
         assert len(groups) == 1 and groups[0][0].ndim == 3  # stacked: one copy per run
-    copied = mover.copy_small(groups, mover.plan_small(src_ids, dst_ids))
+    copied = copier.copy_small(groups, mover.plan_small(src_ids, dst_ids))
     assert copied == 3 * len(src_ids) * 64
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_cpu_groups_declines_what_copy_runs_would_refuse() -> None:
     a = torch.zeros(16, 64, dtype=torch.uint8)
-    assert mover.cpu_groups([a], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
-    assert mover.cpu_groups([a], [a, a]) is None
-    assert mover.cpu_groups([a[:, ::2]], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+    assert copier.cpu_groups([a], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
+    assert copier.cpu_groups([a], [a, a]) is None
+    assert copier.cpu_groups([a[:, ::2]], [torch.zeros(16, 32, dtype=torch.uint8)]) is None
 
 
 @pytest.mark.parametrize("kind", ["separate", "one region", "interleaved"])
@@ -647,8 +647,8 @@ def test_copy_groups_matches_a_block_by_block_reference(kind: str, threads: int)
     for s_view, w_view in zip(src, want, strict=True):  # the reference: one block at a time
         for s, d in zip(src_ids, dst_ids, strict=True):
             w_view[d] = s_view[s]
-    groups = mover.cpu_groups(src, got)
+    groups = copier.cpu_groups(src, got)
     assert groups is not None
-    copied = mover.copy_groups(groups, mover.plan_runs(src_ids, dst_ids), threads=threads)
+    copied = copier.copy_groups(groups, mover.plan_runs(src_ids, dst_ids), threads=threads)
     assert copied == layers * len(src_ids) * row
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -39,7 +39,7 @@ from kvsidecar.bench.workload import (
     run_length_of,
 )
 from kvsidecar.client import BufferSetRef, SidecarClient
-from kvsidecar.core import mover
+from kvsidecar.core import copier
 from kvsidecar.memory import allocate_kv_caches
 
 NAIVE = "naive index_copy_"
@@ -121,7 +121,7 @@ def run(opts: Options) -> list[Figure]:
         f"local: {opts.layers} layers x ({opts.num_blocks}, "
         f"{', '.join(map(str, opts.block_shape))}) {opts.dtype}, {opts.blocks} blocks/layer = "
         f"{opts.moved_bytes / 2**20:.1f} MiB per move; torch threads {torch.get_num_threads()}, "
-        f"mover threads {mover.default_copy_threads()}, {opts.repeat} rounds"
+        f"mover threads {copier.default_copy_threads()}, {opts.repeat} rounds"
     )
     with (
         procs.daemon(host_pool_bytes=host_bytes, peer_data_plane=opts.peer_data_plane) as (ep, _),

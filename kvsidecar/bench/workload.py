@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.core import mover
+from kvsidecar.core import copier, mover
 
 IdPair = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
@@ -136,7 +136,7 @@ def run_copy(
 
     def go() -> None:
         mover.validate_move(s32, d32, src_num_blocks=src_n, dst_num_blocks=dst_n)
-        mover.copy_runs(src, dst, mover.plan_runs(s32, d32), threads=threads)
+        copier.copy_runs(src, dst, mover.plan_runs(s32, d32), threads=threads)
 
     return go
 

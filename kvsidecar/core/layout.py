@@ -1,4 +1,4 @@
-"""KV-cache layouts: descriptors, zero-copy views and the receive-side layout fixes.
+"""KV-cache layouts: descriptors, zero-copy views of mapped bytes and TP head slices.
 
 Vocabulary (the same as ``types.BufferDescriptor``):
 
@@ -17,35 +17,39 @@ when the shape lists tokens before heads, ``"HN"`` when it lists heads before to
 here works from the memory order, so both register and fix identically.
 
 The copy engine moves raw bytes (``block_views``); whatever a remote engine with another memory
-order or block size wrote is then put right in place by ``fix_received``.
+order or block size wrote is then put right in place by `kvsidecar.core.fixes.fix_received`, which
+shares this module's checks and memory-order views (``check_*``, ``to_memory_order``,
+``dense_from``, ``layout_hint``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
 __all__ = [
-    "BlockIds",
     "LayoutError",
     "ShapeOrder",
     "block_bytes",
     "block_len",
     "block_views",
     "buffer_nbytes",
+    "check_arrangement",
+    "check_memory_order",
+    "check_rank",
+    "check_shape_order",
+    "dense_from",
     "describe_tensor",
-    "fix_received",
     "head_slice",
     "head_slice_target",
     "heads_of_rank",
+    "layout_hint",
     "logical_shape",
     "memory_shape",
+    "to_memory_order",
     "torch_dtype",
     "view_buffer",
 ]
@@ -53,16 +57,9 @@ __all__ = [
 ShapeOrder: TypeAlias = Literal["NH", "HN"]
 """Order in which a tensor's *shape* lists tokens (N) and heads (H); independent of memory order."""
 
-BlockIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
-"""Block ids as the engine has them: a list, a numpy integer array or an integer tensor."""
-
 _ARRANGEMENTS: tuple[Arrangement, ...] = ("kv_first", "blocks_first", "split", "mla")
 _MEMORY_ORDERS: tuple[MemoryOrder, ...] = ("NHD", "HND")
 _RANK = {"kv_first": 5, "blocks_first": 5, "split": 4, "mla": 3}
-# Raw-byte stand-ins: indexing kernels exist for these on every device, unlike float8 or bfloat16.
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Block size (bytes, K and V together) from which fix_received on CPU goes block by block.
-_PER_BLOCK_MIN_BYTES = 8 * 1024
 
 
 class LayoutError(ValueError):
@@ -89,14 +86,39 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_arrangement(arrangement: str) -> None:
+    """Raise `LayoutError` unless ``arrangement`` is one of the four KV arrangements."""
+    if arrangement not in _RANK:
+        raise LayoutError(f"unknown arrangement {arrangement!r}, expected one of {_ARRANGEMENTS}")
+
+
+def check_memory_order(value: str, name: str = "memory_order") -> None:
+    """Raise `LayoutError` unless ``value`` (the argument ``name``) is NHD or HND."""
+    if value not in _MEMORY_ORDERS:
+        raise LayoutError(f"unknown {name} {value!r}, expected NHD or HND")
+
+
+def check_shape_order(shape_order: str) -> None:
+    """Raise `LayoutError` unless ``shape_order`` is ``"NH"`` or ``"HN"``."""
+    if shape_order not in ("NH", "HN"):
+        raise LayoutError(f"unknown shape_order {shape_order!r}, expected 'NH' or 'HN'")
+
+
+def check_rank(t: torch.Tensor, arrangement: Arrangement, what: str) -> None:
+    """Raise `LayoutError` unless ``t`` has the dim count of ``arrangement`` (a known one).
+
+    ``what`` names the tensor in the message (``"tensor"``, ``"cache"``).
+    """
+    if t.dim() != _RANK[arrangement]:
+        raise LayoutError(
+            f"{arrangement} {what} must have {_RANK[arrangement]} dims, got shape {tuple(t.shape)}"
+        )
+
+
 def _check_descriptor(desc: BufferDescriptor) -> torch.dtype:
     # Structs built in-process skip msgspec's validation, so check what decoding would have.
-    if desc.arrangement not in _ARRANGEMENTS:
-        raise LayoutError(
-            f"unknown arrangement {desc.arrangement!r}, expected one of {_ARRANGEMENTS}"
-        )
-    if desc.memory_order not in _MEMORY_ORDERS:
-        raise LayoutError(f"unknown memory_order {desc.memory_order!r}, expected NHD or HND")
+    check_arrangement(desc.arrangement)
+    check_memory_order(desc.memory_order)
     for field in ("num_blocks", "block_size", "num_heads", "head_size"):
         value = getattr(desc, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -156,10 +178,10 @@ def buffer_nbytes(desc: BufferDescriptor) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _to_memory_order(
+def to_memory_order(
     t: torch.Tensor, arrangement: Arrangement, memory_order: MemoryOrder, shape_order: ShapeOrder
 ) -> torch.Tensor:
-    """View of ``t`` whose dims follow memory order (``memory_shape``); strides not checked."""
+    """Return a view of ``t`` whose dims follow memory order (``memory_shape``); no stride check."""
     if arrangement == "mla":
         return t
     heads_first_in_memory = memory_order == "HND"
@@ -169,8 +191,8 @@ def _to_memory_order(
     return t
 
 
-def _dense_from(t: torch.Tensor, first_dim: int) -> bool:
-    """Whether dims ``first_dim..`` of ``t`` are C-contiguous among themselves.
+def dense_from(t: torch.Tensor, first_dim: int) -> bool:
+    """Return whether dims ``first_dim..`` of ``t`` are C-contiguous among themselves.
 
     Size-1 dims are skipped, as ``Tensor.is_contiguous`` does.
     """
@@ -184,12 +206,8 @@ def _dense_from(t: torch.Tensor, first_dim: int) -> bool:
     return True
 
 
-def _check_shape_order(shape_order: str) -> None:
-    if shape_order not in ("NH", "HN"):
-        raise LayoutError(f"unknown shape_order {shape_order!r}, expected 'NH' or 'HN'")
-
-
-def _layout_hint(t: torch.Tensor, memory_order: str, shape_order: str) -> str:
+def layout_hint(t: torch.Tensor, memory_order: str, shape_order: str) -> str:
+    """Say why ``t`` is not laid out ``memory_order``: the end of a `LayoutError` message."""
     return (
         f"shape {tuple(t.shape)} with strides {t.stride()} is not laid out {memory_order} "
         f"(shape_order={shape_order!r}; a contiguous (B, H, N, C) tensor declared HND needs "
@@ -215,13 +233,9 @@ def describe_tensor(
     ``split``, HND, 8 blocks of 16 tokens, 4 heads; so does ``torch.empty(8, 4, 16, 64)`` with
     ``shape_order="HN"``. MLA descriptors always say NHD (the order has no meaning there).
     """
-    if arrangement not in _RANK:
-        raise LayoutError(f"unknown arrangement {arrangement!r}, expected one of {_ARRANGEMENTS}")
-    _check_shape_order(shape_order)
-    if t.dim() != _RANK[arrangement]:
-        raise LayoutError(
-            f"{arrangement} tensor must have {_RANK[arrangement]} dims, got shape {tuple(t.shape)}"
-        )
+    check_arrangement(arrangement)
+    check_shape_order(shape_order)
+    check_rank(t, arrangement, "tensor")
     if arrangement == "kv_first" and t.shape[0] != 2:
         raise LayoutError(
             f"kv_first tensor must have 2 in dim 0 (K, V), got shape {tuple(t.shape)}"
@@ -232,7 +246,7 @@ def describe_tensor(
         )
     if arrangement == "mla":
         if not t.is_contiguous():
-            raise LayoutError(f"mla tensor {_layout_hint(t, 'contiguous', shape_order)}")
+            raise LayoutError(f"mla tensor {layout_hint(t, 'contiguous', shape_order)}")
         b, n, c = t.shape
         return BufferDescriptor("mla", "NHD", _dtype_name(t.dtype), b, n, 1, c)
     if memory_order is None:
@@ -241,15 +255,15 @@ def describe_tensor(
             ("HND", "NHD") if shape_order == "HN" else ("NHD", "HND")
         )
         candidates = [
-            m for m in preferred if _to_memory_order(t, arrangement, m, shape_order).is_contiguous()
+            m for m in preferred if to_memory_order(t, arrangement, m, shape_order).is_contiguous()
         ]
         if not candidates:
-            raise LayoutError(f"tensor {_layout_hint(t, 'NHD or HND', shape_order)}")
+            raise LayoutError(f"tensor {layout_hint(t, 'NHD or HND', shape_order)}")
         memory_order = candidates[0]
-    elif memory_order not in _MEMORY_ORDERS:
-        raise LayoutError(f"unknown memory_order {memory_order!r}, expected NHD or HND")
-    elif not _to_memory_order(t, arrangement, memory_order, shape_order).is_contiguous():
-        raise LayoutError(f"tensor {_layout_hint(t, memory_order, shape_order)}")
+    else:
+        check_memory_order(memory_order)
+        if not to_memory_order(t, arrangement, memory_order, shape_order).is_contiguous():
+            raise LayoutError(f"tensor {layout_hint(t, memory_order, shape_order)}")
     shape = t.shape
     n, h = (shape[-3], shape[-2]) if shape_order == "NH" else (shape[-2], shape[-3])
     b = shape[1] if arrangement == "kv_first" else shape[0]
@@ -266,7 +280,7 @@ def view_buffer(
     convention); ``shape_order="HN"`` gives the contiguous ``(..., H, N, C)`` tensor instead.
     """
     dtype = _check_descriptor(desc)
-    _check_shape_order(shape_order)
+    check_shape_order(shape_order)
     nbytes = buffer_nbytes(desc)
     if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
         raise LayoutError(
@@ -282,7 +296,7 @@ def view_buffer(
     ) as exc:  # misaligned start: the storage offset is not a multiple of itemsize
         raise LayoutError(f"buffer cannot be viewed as {desc.dtype}: {exc}") from exc
     in_memory = typed.view(memory_shape(desc))
-    return _to_memory_order(in_memory, desc.arrangement, desc.memory_order, shape_order)
+    return to_memory_order(in_memory, desc.arrangement, desc.memory_order, shape_order)
 
 
 def block_views(cache_logical: torch.Tensor, desc: BufferDescriptor) -> list[torch.Tensor]:
@@ -310,175 +324,20 @@ def block_views(cache_logical: torch.Tensor, desc: BufferDescriptor) -> list[tor
             f"tensor shape {tuple(cache_logical.shape)} does not match descriptor shape {logical}"
         )
     # Dims from here on hold one block id's bytes (kv_first: one K or V region), so must be dense.
-    dense_from = 2 if desc.arrangement == "kv_first" else 1
+    first_dense = 2 if desc.arrangement == "kv_first" else 1
     for order in orders:
-        mem = _to_memory_order(cache_logical, desc.arrangement, desc.memory_order, order)
-        if _dense_from(mem, dense_from):
+        mem = to_memory_order(cache_logical, desc.arrangement, desc.memory_order, order)
+        if dense_from(mem, first_dense):
             break
     else:
         raise LayoutError(
-            f"tensor {_layout_hint(cache_logical, desc.memory_order, orders[0])}: a block's bytes "
+            f"tensor {layout_hint(cache_logical, desc.memory_order, orders[0])}: a block's bytes "
             "are not dense"
         )
     raw = mem.view(torch.uint8)  # same strides in bytes; last dim grows by itemsize
     if desc.arrangement == "kv_first":
         return [raw[0].flatten(1), raw[1].flatten(1)]
     return [raw.flatten(1)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Receive-side fixes
-# ---------------------------------------------------------------------------------------------
-
-
-def _block_index(block_ids: BlockIds, num_blocks: int, device: torch.device) -> torch.Tensor:
-    if isinstance(block_ids, torch.Tensor):
-        index = block_ids
-    elif isinstance(block_ids, np.ndarray):
-        if block_ids.dtype.kind not in "iu":
-            raise LayoutError(f"block ids must be integers, got numpy dtype {block_ids.dtype}")
-        index = torch.from_numpy(block_ids.astype(np.int64))
-    else:
-        ids = list(block_ids)
-        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
-            raise LayoutError(f"block ids must be integers, got {ids!r}")
-        index = torch.tensor(ids, dtype=torch.int64)
-    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise LayoutError(f"block ids must be integers, got {index.dtype}")
-    if index.dim() != 1:
-        raise LayoutError(f"block ids must be 1-D, got shape {tuple(index.shape)}")
-    index = index.to(device=device, dtype=torch.int64)
-    if index.numel():
-        low, high = int(index.min()), int(index.max())
-        if low < 0 or high >= num_blocks:
-            bad = low if low < 0 else high
-            raise LayoutError(f"block id {bad} out of range for a cache of {num_blocks} blocks")
-        if torch.unique(index).numel() != index.numel():
-            raise LayoutError("block ids contain duplicates")
-    return index
-
-
-def fix_received(
-    cache: torch.Tensor,
-    block_ids: BlockIds,
-    *,
-    remote_layout: MemoryOrder,
-    local_layout: MemoryOrder,
-    block_size_ratio: int = 1,
-    arrangement: Arrangement | None = None,
-    shape_order: ShapeOrder = "NH",
-) -> None:
-    """Make blocks that hold raw bytes from another layout or block size read correctly, in place.
-
-    ``cache`` is one KV tensor as the engine holds it, its memory in ``local_layout``. Each listed
-    block's K region (and V region) holds what a remote with ``remote_layout`` and block size
-    ``n = N // block_size_ratio`` wrote there: ``block_size_ratio`` consecutive remote regions
-    packed into one local region, remote block ``r`` holding local tokens ``r*n .. r*n + n - 1``.
-    After the
-    call ``cache[b, t, h, c]`` (logical) is the remote's value for that token; other blocks are
-    untouched. This is the reference's ``kv_postprocess_layout_on_receive`` (HND into NHD, ratio
-    1), ``kv_postprocess_blksize_on_receive`` (HND into HND) and
-    ``kv_postprocess_blksize_and_layout_on_receive`` (HND into NHD), plus NHD into HND. Nothing is
-    left to do (but inputs are still checked) when concatenated remote blocks already are the
-    local bytes: NHD into NHD at any ratio, equal layouts at ratio 1, one head, or MLA.
-
-    ``arrangement`` defaults by rank: 3 dims MLA, 4 ``split`` (also one half of a kv_first
-    tensor), 5 ``blocks_first``; pass ``"kv_first"`` for a ``(2, B, N, H, C)`` tensor.
-    ``shape_order="HN"`` accepts vLLM 0.33's contiguous ``(B, H, N, C)`` HND tensor. Works on the
-    raw bytes (an integer view), so float8 and bfloat16 caches fix like any other. The listed
-    blocks are gathered once and scattered back once, the remap folded into the scatter; on CPU,
-    blocks of 8 KiB and more go one at a time through a small reused scratch instead (faster there).
-
-    Raises ``LayoutError`` (nothing modified) for a ratio that is < 1 or does not divide N, a rank
-    or shape that does not fit, memory not dense in ``local_layout`` within a block, or block ids
-    that are not integers, out of range or duplicated.
-    """
-    for name, layout in (("remote_layout", remote_layout), ("local_layout", local_layout)):
-        if layout not in _MEMORY_ORDERS:
-            raise LayoutError(f"unknown {name} {layout!r}, expected NHD or HND")
-    _check_shape_order(shape_order)
-    if arrangement is None:
-        by_rank: dict[int, Arrangement] = {3: "mla", 4: "split", 5: "blocks_first"}
-        if cache.dim() not in by_rank:
-            raise LayoutError(f"cache must have 3, 4 or 5 dims, got shape {tuple(cache.shape)}")
-        arrangement = by_rank[cache.dim()]
-    elif arrangement not in _RANK:
-        raise LayoutError(f"unknown arrangement {arrangement!r}, expected one of {_ARRANGEMENTS}")
-    if cache.dim() != _RANK[arrangement]:
-        raise LayoutError(
-            f"{arrangement} cache must have {_RANK[arrangement]} dims, "
-            f"got shape {tuple(cache.shape)}"
-        )
-    kv_dim = {"kv_first": 0, "blocks_first": 1}.get(arrangement)
-    if kv_dim is not None and cache.shape[kv_dim] != 2:
-        raise LayoutError(
-            f"{arrangement} cache must have 2 (K, V) in dim {kv_dim}, "
-            f"got shape {tuple(cache.shape)}"
-        )
-    if isinstance(block_size_ratio, bool) or not isinstance(block_size_ratio, int):
-        raise LayoutError(f"block_size_ratio must be an int, got {block_size_ratio!r}")
-
-    # Memory-ordered view, then regions as (B, regions per block, P1, P2, C).
-    mem = _to_memory_order(cache, arrangement, local_layout, shape_order)
-    if arrangement == "mla":
-        regions = mem.unsqueeze(1).unsqueeze(3)  # (B, 1, N, 1, C): one head, order irrelevant
-    elif arrangement == "kv_first":
-        regions = mem.transpose(0, 1)
-    elif arrangement == "split":
-        regions = mem.unsqueeze(1)
-    else:
-        regions = mem
-    num_blocks = regions.shape[0]
-    if local_layout == "HND" and arrangement != "mla":
-        _, _, num_heads, block_size, _ = regions.shape
-    else:
-        _, _, block_size, num_heads, _ = regions.shape
-    if block_size_ratio < 1 or block_size % block_size_ratio:
-        raise LayoutError(
-            f"block_size_ratio {block_size_ratio} must be >= 1 and divide the local block size "
-            f"{block_size}"
-        )
-    # A region's bytes must be dense, or "raw bytes as the remote wrote them" has no meaning.
-    if not _dense_from(regions, 2):
-        raise LayoutError(f"cache {_layout_hint(cache, local_layout, shape_order)}")
-    index = _block_index(block_ids, num_blocks, cache.device)
-
-    concat_is_local = (remote_layout == local_layout == "NHD") or (
-        remote_layout == local_layout and block_size_ratio == 1
-    )
-    if concat_is_local or num_heads == 1 or index.numel() == 0:
-        return
-
-    ratio, remote_n = block_size_ratio, block_size // block_size_ratio
-    raw = regions.view(_INT_OF_SIZE[cache.element_size()])
-
-    def as_remote(blocks: torch.Tensor) -> torch.Tensor:
-        """Dense blocks (k, R, P1, P2, C) read as `ratio` remote regions: (k, R, ratio, n, H, C)."""
-        k, nregions = blocks.shape[0], blocks.shape[1]
-        if remote_layout == "HND":
-            return blocks.view(k, nregions, ratio, num_heads, remote_n, -1).transpose(3, 4)
-        return blocks.view(k, nregions, ratio, remote_n, num_heads, -1)
-
-    # The cache viewed the same way: splitting the token dim is always a view, so the whole remap
-    # happens inside the write back, without an intermediate copy.
-    nregions = raw.shape[1]
-    if local_layout == "HND":
-        dst = raw.view(num_blocks, nregions, num_heads, ratio, remote_n, -1)
-        dst = dst.permute(0, 1, 3, 4, 2, 5)
-    else:
-        dst = raw.view(num_blocks, nregions, ratio, remote_n, num_heads, -1)
-
-    if cache.device.type == "cpu" and raw[0].numel() * raw.element_size() >= _PER_BLOCK_MIN_BYTES:
-        # On CPU a big gather and a strided scatter run at first-touch speed (~0.5 GB/s measured);
-        # one block at a time through a reused, cache-resident scratch ran 3-30x faster for blocks
-        # of 8 KiB and more. On GPUs the kernel launch per block would dominate instead.
-        scratch = torch.empty((1, *raw.shape[1:]), dtype=raw.dtype)
-        src = as_remote(scratch)
-        for b in index.tolist():
-            scratch[0].copy_(raw[b])
-            dst[b : b + 1].copy_(src)
-        return
-    dst.index_copy_(0, index, as_remote(raw.index_select(0, index)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,20 +397,9 @@ def head_slice(
     2 heads, remote TP 1, local TP 4, local rank 3 -> ``(4096, 4096)`` (head 1, held by ranks 2, 3);
     2 heads, remote TP 4, local TP 8, local rank 5 -> ``(0, 4096)`` (remote rank 2 holds one head).
     """
-    ratio = _tp_ratio(local_tp_size, remote_tp_size, "local_tp_size", "remote_tp_size")
-    local_first, local_count = heads_of_rank(
-        tp_size=local_tp_size, tp_rank=local_tp_rank, num_heads_total=num_heads_total
-    )
-    remote_first, remote_count = heads_of_rank(
-        tp_size=remote_tp_size, tp_rank=local_tp_rank // ratio, num_heads_total=num_heads_total
-    )
-    return _slice(
-        (local_first, local_count),
-        (remote_first, remote_count),
-        n=block_size,
-        c=head_size,
-        itemsize=itemsize,
-    )
+    narrow, wide = ("local_tp_size", local_tp_size), ("remote_tp_size", remote_tp_size)
+    sizes = (block_size, head_size, itemsize)
+    return _heads_in_wider_rank(narrow, wide, local_tp_rank, num_heads_total, sizes)
 
 
 def head_slice_target(
@@ -576,27 +424,33 @@ def head_slice_target(
     2 heads, local TP 1, remote TP 4, remote ranks 2 and 3 -> both ``(4096, 4096)``: replicas of
     head 1, so reading either one is enough.
     """
-    ratio = _tp_ratio(remote_tp_size, local_tp_size, "remote_tp_size", "local_tp_size")
-    remote_first, remote_count = heads_of_rank(
-        tp_size=remote_tp_size, tp_rank=remote_tp_rank, num_heads_total=num_heads_total
-    )
-    local_first, local_count = heads_of_rank(
-        tp_size=local_tp_size, tp_rank=remote_tp_rank // ratio, num_heads_total=num_heads_total
-    )
-    return _slice(
-        (remote_first, remote_count),
-        (local_first, local_count),
-        n=block_size,
-        c=head_size,
-        itemsize=itemsize,
-    )
+    narrow, wide = ("remote_tp_size", remote_tp_size), ("local_tp_size", local_tp_size)
+    sizes = (block_size, head_size, itemsize)
+    return _heads_in_wider_rank(narrow, wide, remote_tp_rank, num_heads_total, sizes)
 
 
-def _slice(
-    inner: tuple[int, int], outer: tuple[int, int], *, n: int, c: int, itemsize: int
+def _heads_in_wider_rank(
+    narrow: tuple[str, int],
+    wide: tuple[str, int],
+    narrow_rank: int,
+    num_heads_total: int,
+    sizes: tuple[int, int, int],
 ) -> tuple[int, int]:
-    """Bytes of heads ``inner`` = (first, count) inside a region holding heads ``outer``."""
-    (first, count), (outer_first, outer_count) = inner, outer
+    """Bytes of rank ``narrow_rank``'s heads inside the region of the rank that holds them all.
+
+    ``narrow`` and ``wide`` are ``(argument name, TP size)``: the narrow side has the larger TP
+    size (fewer heads per rank), and its rank ``q`` pairs with wide rank ``q // ratio``.
+    ``sizes`` is ``(block_size, head_size, itemsize)`` of the region.
+    """
+    (narrow_name, narrow_tp), (wide_name, wide_tp) = narrow, wide
+    ratio = _tp_ratio(narrow_tp, wide_tp, narrow_name, wide_name)
+    first, count = heads_of_rank(
+        tp_size=narrow_tp, tp_rank=narrow_rank, num_heads_total=num_heads_total
+    )
+    outer_first, outer_count = heads_of_rank(
+        tp_size=wide_tp, tp_rank=narrow_rank // ratio, num_heads_total=num_heads_total
+    )
+    n, c, itemsize = sizes
     for name, value in (("block_size", n), ("head_size", c), ("itemsize", itemsize)):
         if value < 1:
             raise LayoutError(f"{name} {value} must be >= 1")

@@ -8,7 +8,7 @@ copy thread.
 Block-size ratio on a move: when the destination's blocks hold ``r`` times the tokens of the
 source's, the destination's per-block byte rows are viewed as ``r`` consecutive sub-rows, and
 destination block ``d`` is written as sub-blocks ``d*r .. d*r + r - 1`` from ``r`` source blocks.
-That is a plain block copy at source granularity, after which `layout.fix_received` turns the
+That is a plain block copy at source granularity, after which `fix_received` turns the
 packed remote blocks into the local block (the reference's ``kv_postprocess_blksize_*``).
 """
 
@@ -21,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvsidecar.core import integrity, layout, mover
+from kvsidecar.core import copier, integrity, mover
+from kvsidecar.core.fixes import fix_received
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
@@ -132,14 +133,14 @@ def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
 def fix_layers(
     targets: Sequence[tuple[LayerBuffer, MemoryOrder]], index: torch.Tensor, ratio: int
 ) -> None:
-    """Run `layout.fix_received` on blocks ``index`` of each layer, written in its remote order.
+    """Run `fix_received` on blocks ``index`` of each layer, written in its remote order.
 
     The one place that turns a raw copy's destination blocks into the layers' own layout: local
     moves, in-place fixes and node-to-node pulls all end here (on a copy thread).
     """
     for layer, remote_order in targets:
         desc = layer.descriptor
-        layout.fix_received(
+        fix_received(
             layer.cache,
             index,
             remote_layout=remote_order,
@@ -161,8 +162,8 @@ class _PairPlan:
     ratio: int
     fixes: list[tuple[LayerBuffer, MemoryOrder]]
     cpu_groups: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
-    """`mover.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
-    copies through these, small ones with `mover.copy_small`, larger with `mover.copy_groups`."""
+    """`copier.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
+    copies through these, small ones with `copier.copy_small`, larger with `copier.copy_groups`."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
 
@@ -193,7 +194,7 @@ def _pair_plan(
             for n in names
             if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
         ],
-        cpu_groups=mover.cpu_groups(src_views, dst_views) if ratio == 1 else None,
+        cpu_groups=copier.cpu_groups(src_views, dst_views) if ratio == 1 else None,
         src_views=src_views,
         dst_views=dst_views,
     )
@@ -235,7 +236,7 @@ def prepare_move(
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
 
         def copy() -> int:
-            return mover.copy_small(groups, runs)
+            return copier.copy_small(groups, runs)
 
     else:
         src_idx = src_ids.astype(np.int64)
@@ -252,10 +253,10 @@ def prepare_move(
         def copy() -> int:
             if verification is None:
                 if prepared is not None:
-                    return mover.copy_groups(prepared, plan)
-                return mover.copy_runs(src_views, dst_views, plan)
+                    return copier.copy_groups(prepared, plan)
+                return copier.copy_runs(src_views, dst_views, plan)
             return integrity.verified_copy(
-                lambda: int(mover.copy_runs(src_views, dst_views, plan)),
+                lambda: int(copier.copy_runs(src_views, dst_views, plan)),
                 src_views=src_views,
                 src_ids=src_idx,
                 dst_views=dst_views,

@@ -8,7 +8,7 @@ plane turns both into address descriptors of one READ.
 Geometry of a layer buffer: it holds one or two *regions* per block (K and V, or one MLA latent,
 or one of a ``split`` pair), each ``block_len`` bytes; region ``k`` of block ``b`` starts at
 ``base[k] + b * stride``. A local block with ``r`` times the remote block size is filled as
-``r`` sub-regions of ``block_len / r`` bytes, in token order; `kvsidecar.core.layout.fix_received`
+``r`` sub-regions of ``block_len / r`` bytes, in token order; `kvsidecar.core.fixes.fix_received`
 then turns the packed remote blocks into the local layout (the reference's receive-side fixes).
 
 Rank mapping follows `kvsidecar.core.topology.TransferTopology`:
@@ -95,7 +95,8 @@ class RankPlan:
     expected_readers: int
     """Consumer ranks per producer rank (``dcp_consumer_count``), sent with each notification."""
     fixes: list[tuple[str, MemoryOrder]]
-    """Local layers whose received blocks need `layout.fix_received`, with the remote order."""
+    """Local layers whose received blocks need a layout fix (`kvsidecar.core.fixes.fix_received`),
+    with the remote order."""
     block_size_ratio: int
 
     @property
