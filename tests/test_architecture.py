@@ -189,3 +189,18 @@ def test_the_rule_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     assert "kvsidecar.daemon.server" in found
     assert "kvsidecar.client.aio" in found
     assert _targets("kvsidecar.daemon.server") & FORBIDDEN["core"]
+
+
+def test_modules_and_functions_fit_a_reading() -> None:
+    """No module over 500 lines and no function over 80 (def line to last line) in kvsidecar/."""
+    too_long = []
+    for module, path, tree in _modules():
+        lines = path.read_text().count("\n")
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)
