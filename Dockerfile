@@ -1,9 +1,13 @@
 # syntax=docker/dockerfile:1
-# kvsidecar container image.
+# kvsidecar container image, in two variants told apart by the tag's suffix:
 #
-#   docker build -t kvsidecar .                                  # CPU build of torch (default)
-#   docker build -t kvsidecar:cu128 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker build -t kvsidecar:0.1.0-cpu .                                    # CPU torch (default)
+#   docker build -t kvsidecar:0.1.0-cu128 --build-arg TORCH_VARIANT=cu128 .  # CUDA 12.8 torch
+#
+# TORCH_VARIANT is the name of torch's wheel index (cpu, cu126, cu128, ...) and the tag's suffix.
+# GPU nodes need a -cu12x image: the CPU build cannot open CUDA IPC handles or pin the host pool,
+# and a daemon with require_cuda = true refuses to start on it. The build fails if the installed
+# torch does not match the variant asked for.
 #
 # CUDA: the CUDA wheels of torch bundle the CUDA runtime libraries, and the NVIDIA container
 # runtime mounts the driver, so the slim Python base serves GPU nodes too. To build on a CUDA base
@@ -15,7 +19,8 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # --- build: a virtual environment with torch and kvsidecar ---------------------------------------
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -23,7 +28,10 @@ RUN python -m venv /opt/kvsidecar
 ENV PATH=/opt/kvsidecar/bin:$PATH
 # Torch first and from its own index, in a layer of its own: it is most of the image and changes
 # least often. A plain `pip install .` would pull the multi-GB CUDA build from PyPI.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+ && python -c 'import sys, torch; v, c = sys.argv[1], torch.version.cuda; \
+sys.exit(None if (c is None) == (v == "cpu") else f"TORCH_VARIANT={v}, but torch has CUDA {c}")' \
+    "${TORCH_VARIANT}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvsidecar ./kvsidecar
@@ -31,7 +39,9 @@ RUN pip install --no-cache-dir . && kvsidecar --help >/dev/null
 
 # --- runtime --------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
+ARG TORCH_VARIANT=cpu
 LABEL org.opencontainers.image.title="kvsidecar" \
+      io.kvsidecar.torch-variant="${TORCH_VARIANT}" \
       org.opencontainers.image.description="Per-node daemon that moves KV-cache blocks for LLM inference engines" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/kvsidecar/kvsidecar"

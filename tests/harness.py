@@ -77,14 +77,25 @@ def config_env(config: Config) -> dict[str, str]:
 
 
 class DaemonProcess:
-    """A ``python -m kvsidecar.daemon`` child with its config and log file."""
+    """A ``python -m kvsidecar.daemon`` child with its config and log file.
 
-    def __init__(self, config: Config) -> None:
+    ``run_as``: a uid (and gid) the child takes before it starts, as a container's runAsUser
+    would, via ``setpriv``; the log then goes to ``log_path`` (default: in the runtime dir, which
+    must then not be the daemon's to create).
+    """
+
+    def __init__(
+        self, config: Config, *, run_as: int | None = None, log_path: Path | None = None
+    ) -> None:
         self.config = config
-        self.log_path = Path(config.runtime_dir) / "daemon.log"
+        self.log_path = log_path or Path(config.runtime_dir) / "daemon.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        argv = [sys.executable, "-m", "kvsidecar.daemon"]
+        if run_as is not None:
+            ids = [f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups"]
+            argv = ["setpriv", *ids, *argv]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsidecar.daemon"],
+            argv,
             env=config_env(config),
             cwd=ROOT,
             stdout=self._log,

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 import torch
 
-from kvsidecar.client import AsyncSidecarClient, SidecarClient
+from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
 from tests.harness import DaemonProcess, daemon_process, make_config, run_daemon
 from tests.prom import find_binary, start_prometheus
@@ -190,3 +190,60 @@ async def test_departed_engine_series_are_removed() -> None:
             await asyncio.sleep(0.6)
             text = (await _aget(url))[1]
             assert 'engine="gone"' not in text, [ln for ln in text.splitlines() if "gone" in ln]
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """``{engine label (or ""): value}`` of one family in a ``/metrics`` page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels.get("engine", ""): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+async def test_host_block_gauges_show_what_host_alloc_runs_out_of() -> None:
+    """The pool's bytes are all reserved by the engine's mirror the moment it registers, so
+    ``host_pool_used_bytes`` reads 100% with no block in use (the alert's old false positive).
+    The block gauges follow the allocator that ``host_alloc`` draws from, and reach their
+    capacity exactly when it starts failing with ``pool_exhausted``."""
+    blocks = 256
+    caches = await asyncio.to_thread(allocate_kv_caches, 1, [2, 8, 4, 2, 16], torch.float16)
+    row = caches[0].nbytes // caches[0].shape[1]  # one block of the layer, K and V
+    mirror = -(-blocks * row // 4096) * 4096  # the registration's page-aligned reservation
+    # One page more than the mirror: the arena is only 64-byte aligned, so a page-aligned
+    # reservation of all of it may not fit.
+    pool = mirror + 4096
+    config = make_config(metrics_port=0, host_pool_bytes=pool)
+    async with run_daemon(config) as daemon:
+        url = f"http://127.0.0.1:{daemon.observability.port}/metrics"
+
+        async def gauges() -> tuple[float, float, float, float]:
+            text = (await _aget(url))[1]
+            return (
+                _samples(text, "kvsidecar_host_pool_used_bytes")[""],
+                _samples(text, "kvsidecar_host_pool_capacity_bytes")[""],
+                _samples(text, "kvsidecar_host_blocks_used")["e"],
+                _samples(text, "kvsidecar_host_blocks_capacity")["e"],
+            )
+
+        async with AsyncSidecarClient(config.endpoint, heartbeat=False) as c:
+            await c.register_kv_caches({"l0": caches[0]}, engine_id="e", host_blocks=blocks)
+            used_bytes, capacity_bytes, used_blocks, capacity_blocks = await gauges()
+            assert (used_bytes, capacity_bytes) == (mirror, pool)
+            assert used_bytes / capacity_bytes > 0.9  # what the old alert fired on
+            assert (used_blocks, capacity_blocks) == (0, blocks)
+            held = list(await c.host_alloc("e", blocks - 1))
+            assert (await gauges())[2:] == (blocks - 1, blocks)
+            with pytest.raises(SidecarError) as failed:
+                await c.host_alloc("e", 2)
+            assert failed.value.code == "pool_exhausted"
+            held += list(await c.host_alloc("e", 1))
+            assert (await gauges())[2:] == (blocks, blocks)
+            await c.host_free("e", held)
+            assert await gauges() == (mirror, pool, 0, blocks)
+            await c.unregister()
+            text = (await _aget(url))[1]
+            assert _samples(text, "kvsidecar_host_blocks_used") == {}

@@ -23,7 +23,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -69,6 +70,8 @@ EXPORTED_METRICS: frozenset[str] = frozenset(
         "kvsidecar_registered_buffer_bytes",
         "kvsidecar_host_pool_capacity_bytes",
         "kvsidecar_host_pool_used_bytes",
+        "kvsidecar_host_blocks_capacity",
+        "kvsidecar_host_blocks_used",
         "kvsidecar_inflight_moves",
         "kvsidecar_aggregator_pending_requests",
         "kvsidecar_lease_expiries_total",
@@ -267,12 +270,21 @@ NOT_VALIDATED_BY_KUBERNETES_VALIDATE = {
     # test_servicemonitor_selects_the_service.
     "PrometheusRule": "CRD of the Prometheus Operator; rules checked by promtool",
     "ServiceMonitor": "CRD of the Prometheus Operator; checked against the Service below",
+    "PodMonitor": "CRD of the Prometheus Operator; checked against the sidecar pods below",
     # Not a cluster object: the kustomize build file.
     "Kustomization": "kustomize input, not an API object",
 }
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 """1.29: native sidecar containers (initContainers with restartPolicy: Always) are on by default."""
+
+NEWER_KUBERNETES = {"engine-pod-sidecar-dra.yaml": ("1.34.0", "1.37.0")}
+"""Files that need a newer Kubernetes: DRA's resource.k8s.io/v1 is GA (and in the schemas) from
+1.34; validated against 1.33 the claim template is unknown ("Couldn't find schema")."""
+
+
+def _versions(path: Path) -> tuple[str, ...]:
+    return NEWER_KUBERNETES.get(path.name, KUBERNETES_VERSIONS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,17 +293,20 @@ KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 
 
 def test_kubernetes_manifests_validate() -> None:
-    versions = [arg for v in KUBERNETES_VERSIONS for arg in ("-k", v)]
-    result = run(tool("kubernetes-validate"), "--strict", *versions, *map(str, MANIFESTS))
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = ""
+    for group in sorted({_versions(path) for path in MANIFESTS}):
+        files = [str(path) for path in MANIFESTS if _versions(path) == group]
+        versions = [arg for v in group for arg in ("-k", v)]
+        result = run(tool("kubernetes-validate"), "--strict", *versions, *files)
+        output += result.stdout + result.stderr
+        assert result.returncode == 0, output
     assert "ERROR" not in output and "FATAL" not in output, output
 
     for path, doc in yaml_documents(MANIFESTS):
         kind, name = doc["kind"], doc.get("metadata", {}).get("name", "")
         if kind in NOT_VALIDATED_BY_KUBERNETES_VALIDATE:
             continue
-        for version in KUBERNETES_VERSIONS:
+        for version in _versions(path):
             expected = (
                 f"INFO {path} passed for resource {kind.lower()}/{name} "
                 f"against version {version.rsplit('.', 1)[0]}"
@@ -337,8 +352,12 @@ def test_daemonset_shape() -> None:
     (daemonset,) = _by_kind("DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert pod["hostIPC"] is True
+    assert pod["hostIPC"] is True and pod["hostPID"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
+    # GPU visibility without a GPU request; the API refuses privileged with allowPrivilegeEscalation
+    # false (kubernetes-validate checks the schema only, not this rule).
+    assert container["securityContext"]["privileged"] is True
+    assert container["securityContext"].get("allowPrivilegeEscalation") is not False
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["resources"]["requests"] and container["resources"]["limits"]
@@ -349,6 +368,7 @@ def test_daemonset_shape() -> None:
     ]
     config = tomllib.loads(config_map["data"]["kvsidecar.toml"])
     assert config["runtime_dir"] == "/run/kvsidecar"
+    assert config["require_cuda"] is True  # GPU nodes only (nodeSelector)
     assert pod["terminationGracePeriodSeconds"] > config["drain_timeout_s"]
 
 
@@ -358,6 +378,244 @@ def test_native_sidecar_example() -> None:
     (sidecar,) = pod["spec"]["initContainers"]
     assert sidecar["restartPolicy"] == "Always"
     assert "startupProbe" in sidecar
+
+
+IMAGE = "ghcr.io/kvsidecar/kvsidecar"
+"""The repository the Dockerfile's images are pushed to; tags are <version>-<torch variant>."""
+
+
+def _pods() -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
+    """(file, metadata with namespace, pod spec) of every pod the manifests make."""
+    pods = []
+    for path, doc in yaml_documents(MANIFESTS):
+        if doc["kind"] == "Pod":
+            pods.append((path, doc["metadata"], doc["spec"]))
+        elif doc["kind"] == "DaemonSet":
+            template = doc["spec"]["template"]
+            meta = {**template["metadata"], "namespace": doc["metadata"]["namespace"]}
+            pods.append((path, meta, template["spec"]))
+    return pods
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _sidecar(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's kvsidecar native sidecar (an init container that keeps running), if any."""
+    return next(
+        (
+            c
+            for c in pod.get("initContainers", [])
+            if c["image"].startswith(IMAGE + ":") and c.get("restartPolicy") == "Always"
+        ),
+        None,
+    )
+
+
+@dataclass(frozen=True)
+class SidecarRuntime:
+    """Where a sidecar pod's daemon keeps its sockets, as the manifest says."""
+
+    volume: str
+    """The volume both containers mount for it."""
+    mount: str
+    """Where both mount it."""
+    runtime_dir: str
+    """KVSIDECAR_RUNTIME_DIR of both containers: the daemon's runtime_dir, the engines' endpoint."""
+
+
+def sidecar_runtime_dir(pod: dict[str, Any]) -> SidecarRuntime:
+    """The runtime directory of a pod with a kvsidecar sidecar; the same in every container."""
+    sidecar = _sidecar(pod)
+    assert sidecar is not None
+    found = set()
+    for container in [sidecar, *pod["containers"]]:
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        runtime_dir = env["KVSIDECAR_RUNTIME_DIR"]
+        (mount,) = [
+            m
+            for m in container["volumeMounts"]
+            if PurePosixPath(m["mountPath"]) in PurePosixPath(runtime_dir).parents
+            or m["mountPath"] == runtime_dir
+        ]
+        found.add(SidecarRuntime(mount["name"], mount["mountPath"], runtime_dir))
+    (runtime,) = found
+    return runtime
+
+
+def test_daemon_and_engine_share_dev_shm_and_pids() -> None:
+    """torch's CUDA IPC reference counts and event handles live in /dev/shm, and CUDA IPC (and
+    pidfd_getfd for VMM fds) needs one PID namespace: both containers must share both."""
+    pods = _pods()
+    assert len(pods) == 4
+    for path, meta, pod in pods:
+        mounts = {
+            c["name"]: m["name"]
+            for c in _containers(pod)
+            for m in c.get("volumeMounts", [])
+            if m["mountPath"] == "/dev/shm"
+        }
+        if pod.get("hostIPC"):
+            # The DaemonSet and its engines: the runtime gives host-IPC containers the host's
+            # /dev/shm, which a volume mounted over it would hide.
+            assert mounts == {}, (path, meta["name"])
+            assert pod.get("hostPID") is True, (path, meta["name"])
+            continue
+        # A pod with its own sidecar: one Memory emptyDir at /dev/shm in every container that
+        # keeps running, and one PID namespace.
+        assert pod.get("shareProcessNamespace") is True, (path, meta["name"])
+        sidecar = _sidecar(pod)
+        assert sidecar is not None, (path, meta["name"])
+        running = [sidecar["name"], *(c["name"] for c in pod["containers"])]
+        assert sorted(mounts) == sorted(running), (path, meta["name"])
+        (volume_name,) = set(mounts.values())
+        (volume,) = [v for v in pod["volumes"] if v["name"] == volume_name]
+        assert volume["emptyDir"]["medium"] == "Memory"
+
+
+_BASELINE_CAPABILITIES = frozenset(
+    {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD"}
+    | {"NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+)
+_RESTRICTED_VOLUMES = frozenset(
+    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim"}
+    | {"projected", "secret"}
+)
+
+
+def pod_security_level(pod: dict[str, Any]) -> str:
+    """The strictest Pod Security Standards level that admits ``pod``.
+
+    The controls of kubernetes.io/docs/concepts/security/pod-security-standards that pods like
+    ours touch (host namespaces, privileged, capabilities, hostPath, host ports, seccomp; for
+    "restricted" also volume types, privilege escalation, non-root), not AppArmor, SELinux,
+    /proc mount types or sysctls, which none of these manifests set.
+    """
+    containers = _containers(pod)
+    pod_ctx = pod.get("securityContext", {})
+
+    def ctx(c: dict[str, Any], key: str) -> Any:
+        return c.get("securityContext", {}).get(key, pod_ctx.get(key))
+
+    caps = [c.get("securityContext", {}).get("capabilities", {}) for c in containers]
+    seccomp = [(ctx(c, "seccompProfile") or {}).get("type") for c in containers]
+    if (
+        any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+        or any(c.get("securityContext", {}).get("privileged") for c in containers)
+        or any(set(cap.get("add", [])) - _BASELINE_CAPABILITIES for cap in caps)
+        or any("hostPath" in v for v in pod.get("volumes", []))
+        or any(p.get("hostPort") for c in containers for p in c.get("ports", []))
+        or "Unconfined" in seccomp
+    ):
+        return "privileged"
+    volume_types = {key for v in pod.get("volumes", []) for key in v if key != "name"}
+    if (
+        volume_types - _RESTRICTED_VOLUMES
+        or any(
+            c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False
+            for c in containers
+        )
+        or any(ctx(c, "runAsNonRoot") is not True or ctx(c, "runAsUser") == 0 for c in containers)
+        or any(kind not in ("RuntimeDefault", "Localhost") for kind in seccomp)
+        or any("ALL" not in cap.get("drop", []) for cap in caps)
+        or any(set(cap.get("add", [])) - {"NET_BIND_SERVICE"} for cap in caps)
+    ):
+        return "baseline"
+    return "restricted"
+
+
+def test_namespaces_are_labelled_with_the_level_their_pods_need() -> None:
+    """Each pod's namespace enforces exactly the strictest level that still admits the pod."""
+    enforced = {
+        doc["metadata"]["name"]: doc["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+        for _, doc in yaml_documents(MANIFESTS)
+        if doc["kind"] == "Namespace"
+    }
+    needed: dict[str, set[str]] = {}
+    for _, meta, pod in _pods():
+        needed.setdefault(meta["namespace"], set()).add(pod_security_level(pod))
+    assert needed == {
+        "kvsidecar": {"privileged"},  # hostIPC, hostPID, hostPath, privileged container
+        "inference": {"privileged"},  # hostIPC, hostPID, hostPath
+        "inference-sidecar": {"restricted"},  # shareProcessNamespace asks for no level
+    }
+    assert {ns: {level} for ns, level in enforced.items()} == needed
+    # The check itself tells the levels apart.
+    (sidecar_pod,) = [p for path, _, p in _pods() if path.name == "engine-pod-sidecar.yaml"]
+    assert pod_security_level({**sidecar_pod, "hostPID": True}) == "privileged"
+    assert pod_security_level({**sidecar_pod, "securityContext": {}}) == "baseline"
+
+
+def test_images_name_a_variant_the_dockerfile_builds() -> None:
+    """Every kvsidecar image is <version>-<variant>, a CUDA variant on these GPU pods."""
+    from kvsidecar import __version__
+
+    dockerfile = DOCKERFILE.read_text()
+    assert re.search(r"^ARG TORCH_VARIANT=cpu$", dockerfile, re.MULTILINE)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}" in dockerfile
+    assert f"-t kvsidecar:{__version__}-cpu ." in dockerfile
+    images = [c["image"] for _, _, pod in _pods() for c in _containers(pod)]
+    ours = [image for image in images if image.startswith(IMAGE + ":")]
+    assert len(ours) == 4  # the DaemonSet's two containers, one sidecar per example pod
+    for image in ours:
+        version, _, variant = image.split(":", 1)[1].partition("-")
+        assert version == __version__, image
+        assert re.fullmatch(r"cu12\d", variant), image
+        assert f"--build-arg TORCH_VARIANT={variant} ." in dockerfile, image
+
+
+def test_podmonitor_scrapes_every_sidecar_as_its_own_job() -> None:
+    (monitor,) = _by_kind("PodMonitor")
+    spec = monitor["spec"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert spec["namespaceSelector"] == {"any": True}
+    selector = spec["selector"]["matchLabels"]
+    selected = [
+        (meta, pod) for _, meta, pod in _pods() if selector.items() <= meta["labels"].items()
+    ]
+    assert len(selected) == 2
+    for meta, pod in selected:
+        sidecar = _sidecar(pod)
+        assert sidecar is not None, meta["name"]
+        ports = {p["name"] for p in sidecar["ports"]}
+        assert {e["port"] for e in spec["podMetricsEndpoints"]} <= ports
+    jobs = {
+        r["replacement"]
+        for e in spec["podMetricsEndpoints"]
+        for r in e["relabelings"]
+        if r.get("targetLabel") == "job"
+    }
+    assert jobs == {"kvsidecar-sidecar"}
+    (down,) = [
+        r["expr"]
+        for g in yaml.safe_load(RULES.read_text())["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "KvsidecarDown"
+    ]
+    assert 'job=~"kvsidecar|kvsidecar-sidecar"' in down
+
+
+def test_sidecars_run_in_a_subdirectory_of_their_emptydir() -> None:
+    """kubelet makes an emptyDir root-owned, mode 0777: the daemon refuses it, and creates a
+    subdirectory of it as its own (tests/test_deploy_start.py starts one that way)."""
+    configs = {
+        d["metadata"]["name"]: tomllib.loads(d["data"]["kvsidecar.toml"])
+        for d in _by_kind("ConfigMap")
+    }
+    for _, meta, pod in _pods():
+        sidecar = _sidecar(pod)
+        if sidecar is None:
+            continue
+        runtime = sidecar_runtime_dir(pod)
+        emptydir = PurePosixPath(runtime.mount)
+        assert PurePosixPath(runtime.runtime_dir).parent == emptydir, meta["name"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == runtime.volume]
+        assert "emptyDir" in volume
+        (config_volume,) = [v for v in pod["volumes"] if "configMap" in v]
+        config = configs[config_volume["configMap"]["name"]]
+        assert config["runtime_dir"] == runtime.runtime_dir
+        assert config["require_cuda"] is True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,7 +632,7 @@ def test_yamllint() -> None:
 def test_promtool_check_rules() -> None:
     result = run(tool("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 def test_promtool_test_rules() -> None:
@@ -394,7 +652,8 @@ def test_every_alert_has_firing_and_quiet_unit_tests() -> None:
         "KvsidecarDown",
         "KvsidecarTransferFailures",
         "KvsidecarLeaseExpiries",
-        "KvsidecarHostPoolNearlyFull",
+        "KvsidecarAbsent",
+        "KvsidecarHostBlocksNearlyExhausted",
         "KvsidecarMoveLatencyP99High",
     }
     cases = [
@@ -455,6 +714,8 @@ def test_dashboard_uses_only_exported_metrics() -> None:
         "kvsidecar_move_failures_total",
         "kvsidecar_host_pool_used_bytes",
         "kvsidecar_host_pool_capacity_bytes",
+        "kvsidecar_host_blocks_used",
+        "kvsidecar_host_blocks_capacity",
         "kvsidecar_registered_workers",
         "kvsidecar_inflight_moves",
     ):
@@ -500,6 +761,7 @@ def test_dashboard_and_rules_against_the_daemons_exposition() -> None:
 # --------------------------------------------------------------------------------------------------
 
 _INSTALLED_BINARY = "/usr/local/bin/kvsidecar"
+UVM_UNIT = DEPLOY / "systemd" / "kvsidecar-nvidia-uvm.service"
 
 
 def _unit_for_this_machine(directory: Path) -> Path:
@@ -515,12 +777,15 @@ def _unit_for_this_machine(directory: Path) -> Path:
     assert text.count(_INSTALLED_BINARY) == 1  # ExecStart= only
     unit = directory / UNIT.name
     unit.write_text(text.replace(_INSTALLED_BINARY, str(binary)))
+    # The unit it Wants=, unchanged: its '-' prefix spares verify the missing nvidia-modprobe.
+    (directory / UVM_UNIT.name).write_text(UVM_UNIT.read_text())
     return unit
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     unit = _unit_for_this_machine(tmp_path)
-    result = run(tool("systemd-analyze"), "verify", "--man=no", unit.name, cwd=tmp_path)
+    units = (unit.name, UVM_UNIT.name)
+    result = run(tool("systemd-analyze"), "verify", "--man=no", *units, cwd=tmp_path)
     # verify exits 0 on unknown keys and bad values, only printing a warning: any output fails.
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout + result.stderr == ""
@@ -540,9 +805,9 @@ def test_systemd_sandbox_exposure(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
 
 
-def _unit_settings() -> dict[str, list[str]]:
+def _unit_settings(unit: Path = UNIT) -> dict[str, list[str]]:
     settings: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
+    for line in unit.read_text().splitlines():
         if "=" in line and not line.startswith(("#", "[")):
             key, value = line.split("=", 1)
             settings.setdefault(key.strip(), []).append(value.strip())
@@ -563,6 +828,22 @@ def test_systemd_unit_contract() -> None:
     config = tomllib.loads((DEPLOY / "systemd" / "kvsidecar.toml").read_text())
     (stop,) = settings["TimeoutStopSec"]
     assert stop.endswith("s") and float(stop[:-1]) > config["drain_timeout_s"]
+
+
+def test_systemd_loads_nvidia_uvm_before_the_sandboxed_unit() -> None:
+    """nvidia-uvm is loaded by a unit of its own ordered before kvsidecar: DeviceAllow= classes
+    are resolved when kvsidecar's cgroup is set up, before any ExecStartPre= could load it."""
+    settings = _unit_settings()
+    uvm = _unit_settings(UVM_UNIT)
+    assert UVM_UNIT.name in settings["Wants"][0].split()
+    assert UVM_UNIT.name in settings["After"][0].split()
+    assert "ExecStartPre" not in settings
+    assert "char-nvidia-uvm rw" in settings["DeviceAllow"]
+    # Skipped where the tool is missing (CPU nodes); a failure does not block kvsidecar.
+    assert uvm["ConditionFileIsExecutable"] == ["/usr/bin/nvidia-modprobe"]
+    assert uvm["ExecStart"] == ["-/usr/bin/nvidia-modprobe -u -c=0"]
+    assert uvm["Type"] == ["oneshot"] and uvm["RemainAfterExit"] == ["yes"]
+    assert uvm["Before"] == [UNIT.name]
 
 
 # --------------------------------------------------------------------------------------------------

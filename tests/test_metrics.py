@@ -208,6 +208,8 @@ async def test_promtool_check_metrics_reports_no_problem() -> None:
             host_pool_capacity_bytes=8 * GiB,
             host_pool_used_bytes=GiB,
             inflight_moves=5,
+            host_blocks_capacity={"engine-a": 4096, "engine-b": 0},
+            host_blocks_used={"engine-a": 1000, "engine-b": 0},
         )
         record_workload(h.metrics)
         h.metrics.record_move_failure("peer_recv", "peer_timeout")

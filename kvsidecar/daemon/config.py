@@ -76,6 +76,13 @@ SETTINGS: tuple[Setting, ...] = (
         1 << 30,
         "Bytes of the daemon-owned host block pool, allocated and touched at start.",
     ),
+    Setting(
+        "require_cuda",
+        bool,
+        False,
+        "Refuse to start (exit 3) unless CUDA works and shows a GPU: set it on GPU nodes, so a "
+        "daemon that cannot see the GPUs fails at start, not at the first registration.",
+    ),
     Setting("copy_threads", int, 2, "Threads of the copy executor (moves run concurrently)."),
     Setting(
         "lease_s",
@@ -278,6 +285,7 @@ class Config:
     runtime_dir: str = ""
     fd_socket: str = ""
     host_pool_bytes: int = 1 << 30
+    require_cuda: bool = False
     copy_threads: int = 2
     lease_s: float = 10.0
     drain_timeout_s: float = 10.0

@@ -40,6 +40,10 @@ class StateSnapshot:
     """Bytes of the host pool that hold blocks."""
     inflight_moves: int = 0
     """Moves submitted to the copy executor or a peer and not yet finished."""
+    host_blocks_capacity: Mapping[str, int] = field(default_factory=dict)
+    """Host block ids each engine may allocate (its ``host_blocks``; 0 without host blocks)."""
+    host_blocks_used: Mapping[str, int] = field(default_factory=dict)
+    """Host block ids each engine holds; ``host_alloc`` fails (``pool_exhausted``) at capacity."""
 
 
 class StateProvider(Protocol):
@@ -124,5 +128,17 @@ class StateCollector:
                 "inflight_moves",
                 "Moves submitted to the copy executor or a peer and not yet finished.",
                 s.inflight_moves,
+            ),
+            # The allocator that runs out: host_pool_used_bytes counts the mirrors reserved at
+            # registration, full on a well-sized pool before a single block is in use.
+            per_engine(
+                "host_blocks_capacity",
+                "Host block ids an engine may allocate (host_blocks at registration), by engine.",
+                s.host_blocks_capacity,
+            ),
+            per_engine(
+                "host_blocks_used",
+                "Host block ids an engine holds; host_alloc fails with pool_exhausted at capacity.",
+                s.host_blocks_used,
             ),
         ]

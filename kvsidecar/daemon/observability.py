@@ -195,6 +195,8 @@ def snapshot(
         host_pool_capacity_bytes=pool_capacity,
         host_pool_used_bytes=pool_used,
         inflight_moves=in_flight,
+        host_blocks_capacity={e: engine.host_blocks for e, engine in registry.engines.items()},
+        host_blocks_used={e: engine.host_used() for e, engine in registry.engines.items()},
     )
 
 

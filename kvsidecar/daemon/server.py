@@ -58,6 +58,7 @@ from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
 from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.daemon.gpu import check_cuda
 from kvsidecar.daemon.jobs import prepare_fix
 from kvsidecar.daemon.metrics_server import Readiness
 from kvsidecar.daemon.metrics_state import StateSnapshot
@@ -198,6 +199,7 @@ class Daemon(Edge, Registration, Commands):
     async def startup(self) -> None:
         """Create the runtime dir, allocate the pool, bind the sockets, start the lease sweeper."""
         cfg = self.config
+        check_cuda(cfg.require_cuda)  # before anything is bound or allocated: fail fast
         _private_dir(Path(cfg.runtime_dir))
         _refuse_if_running(cfg.fd_socket)
         if cfg.ipc_path is not None:
@@ -407,11 +409,18 @@ class Daemon(Edge, Registration, Commands):
 
 
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) or check that an existing one is ours and private."""
+    """Create ``path`` (mode 0700) or check that an existing one is ours and private.
+
+    A directory shared with others (a Kubernetes emptyDir: root-owned, mode 0777) is refused;
+    name a subdirectory of it instead, which the daemon then creates as its own.
+    """
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid():
-        raise SystemExit(f"kvsidecar: {path} belongs to uid {st.st_uid}, not to us; refusing it")
+        raise SystemExit(
+            f"kvsidecar: {path} belongs to uid {st.st_uid}, not to us; refusing it (for a shared "
+            f"directory such as an emptyDir, set runtime_dir to a subdirectory, e.g. {path}/daemon)"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
 
