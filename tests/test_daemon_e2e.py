@@ -7,7 +7,6 @@ the workers' seeds (`tests.helpers.kv_worker.expected_layer`), not from the daem
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -20,8 +19,10 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
-from tests.harness import WorkerProcess, daemon_process, make_config, run_daemon, workers
 from tests.helpers.kv_worker import expected_layer
+from tests.support.children import WorkerProcess, workers
+from tests.support.daemons import daemon_process, make_config, run_daemon
+from tests.support.procfs import memfd_mappings, shm_entries
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,13 +193,13 @@ def test_same_destination_moves_apply_in_arrival_order(cluster: Cluster, tmp_pat
 
 
 def test_sigkill_worker_releases_mappings(cluster: Cluster) -> None:
-    before = _shm_entries()
+    before = shm_entries()
     s = spec(cluster.endpoint, "doomed", 7)
     with workers([s]) as (w,), SidecarClient(cluster.endpoint) as c:
         engines = {e.engine_id: e for e in c.status().engines}
         assert engines["doomed"].workers[0].nbytes > 0
         daemon_pid = cluster.daemon_pid
-        maps_before = _count_maps(daemon_pid)
+        maps_before = memfd_mappings(daemon_pid)
         w.proc.send_signal(signal.SIGKILL)
         w.proc.wait(5)
         lease = c.daemon.lease_s if c.daemon else 1.0
@@ -206,17 +207,8 @@ def test_sigkill_worker_releases_mappings(cluster: Cluster) -> None:
         while time.monotonic() < deadline and "doomed" in {e.engine_id for e in c.status().engines}:
             time.sleep(0.05)
         assert "doomed" not in {e.engine_id for e in c.status().engines}
-        assert _count_maps(daemon_pid) < maps_before  # its memfd mapping is gone
-    assert not _shm_entries() - before, "segments left in /dev/shm"
-
-
-def _shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _count_maps(pid: int) -> int:
-    with open(f"/proc/{pid}/maps") as fh:
-        return sum(1 for line in fh if "memfd:kvsidecar" in line)
+        assert memfd_mappings(daemon_pid) < maps_before  # its memfd mapping is gone
+    assert not shm_entries() - before, "segments left in /dev/shm"
 
 
 def test_sigterm_exits_cleanly_with_registered_worker() -> None:

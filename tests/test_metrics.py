@@ -23,7 +23,7 @@ from kvsidecar.daemon.metrics import (
     Readiness,
     StateSnapshot,
 )
-from tests.prom import find_binary, prometheus_running
+from tests.support.prometheus import find_binary, prometheus_running
 
 pytestmark = pytest.mark.timeout(60)
 
