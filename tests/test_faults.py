@@ -191,7 +191,8 @@ def test_client_that_stops_reading() -> None:
         assert peak - baseline < 96, f"daemon RSS grew {peak - baseline:.0f} MiB under the flood"
         time.sleep(1.0)
         with SidecarClient(d.config.endpoint, heartbeat=False) as c:
-            assert c.status().errors_total >= 0
+            # Every flooded request was a valid status: unread replies are dropped, not errors.
+            assert c.status().errors_total == 0
         print(
             f"flood: {sent} requests unread; status p99 {p99 * 1e3:.1f} ms; "
             f"RSS {baseline:.0f} -> {peak:.0f} MiB"

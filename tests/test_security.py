@@ -157,7 +157,8 @@ def test_keygen_files(tmp_path: Path) -> None:
 def test_tcp_needs_keys_or_insecure(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="curve_secret_key"):
         Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555")
-    assert Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555", insecure=True)
+    plain = Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555", insecure=True)
+    assert plain.endpoint == "tcp://127.0.0.1:5555" and plain.insecure
     with pytest.raises(ConfigError, match="allowed_uids"):
         Config(runtime_dir=str(tmp_path), allowed_uids="root")
 
