@@ -78,7 +78,8 @@ async def test_a_move_is_settled_before_the_next_request_is_read() -> None:
     caches_b = allocate_kv_caches(2, (64, 16, 4, 32), torch.float16)
     for t in caches_a:
         t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.float16))
-    with daemon_process(make_config()) as daemon:
+    # No heartbeats: a lease long enough for 200 rounds on a slow, shared machine.
+    with daemon_process(make_config(lease_s=60.0)) as daemon:
         endpoint = daemon.config.endpoint
         async with (
             AsyncSidecarClient(endpoint, heartbeat=False) as a,
