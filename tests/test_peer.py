@@ -4,7 +4,8 @@ One producer daemon and one consumer daemon (each with a NIXL agent when NIXL is
 one producer worker process registering every producer engine and one consumer worker process
 registering every consumer engine: each case is a pair of engines with its own sizes, so the
 whole matrix runs on four processes. Expectations come from `expected_rank` (the producer's
-seeded values, indexed by hand), never from the daemon's code.
+seeded values, indexed by hand), never from the daemon's code. Each pull starts from the
+consumer's initial values (the worker refills them), so a data plane that moves nothing fails.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def test_pull_bytes(cluster: Cluster, case: str, plane: str, tmp_path: Path) -> 
     ):
         pc.take_peer_events()
         cc.take_peer_events()
+        # The other plane's test may have pulled the same blocks: back to the initial values.
+        cluster.cw.refill()
         for rid, (remote, _) in requests.items():
             pc.publish(f"{case}-p", f"{plane}-{rid}", remote)
         pulled = cc.pull(

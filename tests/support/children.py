@@ -213,6 +213,10 @@ class PeerWorkers(WorkerProcess):
         self._ask_dump(directory, timeout)
         return {p.stem: np.load(p) for p in directory.glob("*.npy")}
 
+    def refill(self, timeout: float = 60.0) -> None:
+        """Put every rank's memory back to its initial values (what the spec's seeds give)."""
+        assert self.ask("fill", timeout) == "ok"
+
 
 @contextlib.contextmanager
 def peer_workers(spec: dict[str, Any]) -> Iterator[PeerWorkers]:
