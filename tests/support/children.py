@@ -63,7 +63,7 @@ class LineReader:
 
     def available(self) -> list[str]:
         """Every line read so far and not yet taken, without waiting."""
-        lines = []
+        lines: list[str] = []
         while True:
             try:
                 line = self._queue.get_nowait()

@@ -136,7 +136,7 @@ def scraped_metric_names(exposition: str) -> set[str]:
         "summary": ("_sum", "_count"),
         "info": ("_info",),
     }
-    names = set()
+    names: set[str] = set()
     for family in text_string_to_metric_families(exposition):
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
         names.update(sample.name for sample in family.samples)
