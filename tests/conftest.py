@@ -24,19 +24,6 @@ def pytest_asyncio_loop_factories(
     return {"uvloop": uvloop.new_event_loop}
 
 
-# --- daemon harness: see tests/harness.py -----------------------------------------------------
-@pytest.fixture
-def daemon_config():  # type: ignore[no-untyped-def]
-    """A fresh `Config` in its own short temp runtime dir (removed afterwards)."""
-    import shutil
-
-    from tests.harness import make_config
-
-    config = make_config()
-    yield config
-    shutil.rmtree(config.runtime_dir, ignore_errors=True)
-
-
 # --- slow tests (soak, long fuzz) run only when selected with -m slow --------------------------
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``slow``-marked tests unless the marker expression names ``slow``."""

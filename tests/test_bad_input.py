@@ -16,7 +16,8 @@ from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, Wor
 from kvsidecar.daemon.config import Config
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move, Reply
-from tests.harness import make_config, run_daemon
+from tests.support.daemons import make_config, run_daemon
+from tests.support.ids import id_frame
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -89,10 +90,6 @@ async def raw_call(endpoint: str, frames: list[bytes]) -> Reply:
     return msgspec.msgpack.decode(reply_frames[0], type=Reply)
 
 
-def ids(*values: int) -> bytes:
-    return np.array(values, dtype="<i8").tobytes()
-
-
 A, B, ODD = WorkerRef("a"), WorkerRef("b"), WorkerRef("odd")
 
 
@@ -112,7 +109,7 @@ async def test_malformed_frame(env: Env) -> None:
 
 async def test_wrong_number_of_data_frames(env: Env) -> None:
     move = Move(id=9, src=BufferSetRef(A), dst=BufferSetRef(B))
-    reply = await raw_call(env.config.endpoint, [msgspec.msgpack.encode(move), ids(1)])
+    reply = await raw_call(env.config.endpoint, [msgspec.msgpack.encode(move), id_frame(1)])
     assert isinstance(reply, Error) and reply.code == "bad_frame" and reply.id == 9
     await env.assert_still_serving()
 
@@ -120,7 +117,7 @@ async def test_wrong_number_of_data_frames(env: Env) -> None:
 async def test_id_frame_not_whole_elements(env: Env) -> None:
     move = Move(id=9, src=BufferSetRef(A), dst=BufferSetRef(B))
     reply = await raw_call(
-        env.config.endpoint, [msgspec.msgpack.encode(move), b"\x01\x02\x03", ids(1)]
+        env.config.endpoint, [msgspec.msgpack.encode(move), b"\x01\x02\x03", id_frame(1)]
     )
     assert isinstance(reply, Error) and reply.code == "bad_frame"
     await env.assert_still_serving()

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -25,7 +23,9 @@ import pytest
 from kvsidecar import __version__
 from kvsidecar.daemon.config import SETTINGS
 from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNREACHABLE
-from tests.harness import ROOT, daemon_process, make_config, workers
+from tests.support import ROOT
+from tests.support.children import LineReader, workers
+from tests.support.daemons import daemon_process, make_config
 
 _SCRIPT = Path(sys.executable).parent / "kvsidecar"
 # The installed console script when there is one (what a user runs), else the module.
@@ -263,11 +263,7 @@ def test_demo_small_run_is_ok() -> None:
 
 
 class Serving:
-    """``kvsidecar <args>`` as a child whose stderr lines a thread collects into a queue.
-
-    (A thread, not ``select`` on the pipe: a buffered reader can hold a second line that
-    ``select`` no longer reports.)
-    """
+    """``kvsidecar <args>`` as a child whose stderr lines a `LineReader` collects."""
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
@@ -278,38 +274,21 @@ class Serving:
             stderr=subprocess.PIPE,
             text=True,
         )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def line(self, timeout: float) -> str:
-        """The next stderr line; fails after ``timeout`` s or at end of output."""
-        try:
-            line = self.lines.get(timeout=max(0.01, timeout))
-        except queue.Empty:
-            raise AssertionError(f"no log line within {timeout:.0f} s") from None
-        assert line is not None, f"stderr closed; exit code {self.proc.poll()}"
-        return line
+        self.lines = LineReader(self.proc.stderr, "kvsidecar serve")
 
     def rest(self, timeout: float = 10) -> list[str]:
         """Every remaining line, once the child has exited."""
-        self._reader.join(timeout)
-        out = []
-        while (line := self.lines.get_nowait()) is not None:
-            out.append(line)
-        return out
+        self.lines.join(timeout)
+        return self.lines.available()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self._reader.join(10)
+        self.lines.join(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 @pytest.mark.timeout(120)
@@ -327,12 +306,12 @@ def test_serve_json_logs_and_sigterm_exits_0(tmp_short: Path) -> None:
     ]
     served = Serving(*args)
     try:
-        first = json.loads(served.line(60))
+        first = json.loads(served.lines.get(60))
         assert {"ts", "level", "logger", "message"} <= set(first)
         # Wait until it serves, so SIGTERM exercises the real shutdown path.
         deadline = time.monotonic() + 60
         while "serving on" not in first["message"]:
-            first = json.loads(served.line(deadline - time.monotonic()))
+            first = json.loads(served.lines.get(deadline - time.monotonic()))
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(30) == EXIT_OK
         rest = [line for line in served.rest() if line.strip()]

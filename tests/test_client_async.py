@@ -19,7 +19,7 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError
 from kvsidecar.memory.shm import allocate_kv_caches
-from tests.harness import daemon_process, make_config
+from tests.support.daemons import daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(120)
 

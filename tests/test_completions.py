@@ -24,7 +24,8 @@ from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import Collect, Collected, Report
 from kvsidecar.wire.reports import PeerCompletion
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
-from tests.harness import LineChild, daemon_process, make_config
+from tests.support.children import ReportWorker, all_ready
+from tests.support.daemons import daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,39 +174,12 @@ async def test_engine_state_outlives_its_workers_briefly() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class ReportWorker(LineChild):
-    """A ``tests.helpers.report_worker`` child that answers one JSON line per command."""
-
-    exit_line = json.dumps({"exit": True})
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        super().__init__("report_worker", spec, name=f"report worker r{spec.get('tp_rank')}")
-
-    def send(self, cmd: dict[str, Any]) -> None:
-        self.send_line(json.dumps(cmd))
-
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        self.send(cmd)
-        result: dict[str, Any] = json.loads(self.line())
-        return result
-
-
 @contextlib.contextmanager
 def report_workers(endpoint: str, n: int) -> Iterator[list[ReportWorker]]:
     """Start ``n`` ranks of one engine (all at once), wait until registered, always stop them."""
-    procs = [
-        ReportWorker(
-            {"endpoint": endpoint, "engine": ENGINE, "tp_rank": r, "tp_size": n, "host_blocks": 8}
-        )
-        for r in range(n)
-    ]
-    try:
-        for p in procs:
-            assert p.line(120) == "ready"
+    spec = {"endpoint": endpoint, "engine": ENGINE, "tp_size": n, "host_blocks": 8}
+    with all_ready([ReportWorker({**spec, "tp_rank": r}) for r in range(n)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 RANKS = 4

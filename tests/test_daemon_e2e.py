@@ -7,7 +7,6 @@ the workers' seeds (`tests.helpers.kv_worker.expected_layer`), not from the daem
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -20,8 +19,10 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
-from tests.harness import WorkerProcess, daemon_process, make_config, run_daemon, workers
 from tests.helpers.kv_worker import expected_layer
+from tests.support.children import WorkerProcess, workers
+from tests.support.daemons import daemon_process, make_config, run_daemon
+from tests.support.procfs import memfd_mappings, shm_entries
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,13 +193,13 @@ def test_same_destination_moves_apply_in_arrival_order(cluster: Cluster, tmp_pat
 
 
 def test_sigkill_worker_releases_mappings(cluster: Cluster) -> None:
-    before = _shm_entries()
+    before = shm_entries()
     s = spec(cluster.endpoint, "doomed", 7)
     with workers([s]) as (w,), SidecarClient(cluster.endpoint) as c:
         engines = {e.engine_id: e for e in c.status().engines}
         assert engines["doomed"].workers[0].nbytes > 0
         daemon_pid = cluster.daemon_pid
-        maps_before = _count_maps(daemon_pid)
+        maps_before = memfd_mappings(daemon_pid)
         w.proc.send_signal(signal.SIGKILL)
         w.proc.wait(5)
         lease = c.daemon.lease_s if c.daemon else 1.0
@@ -206,17 +207,8 @@ def test_sigkill_worker_releases_mappings(cluster: Cluster) -> None:
         while time.monotonic() < deadline and "doomed" in {e.engine_id for e in c.status().engines}:
             time.sleep(0.05)
         assert "doomed" not in {e.engine_id for e in c.status().engines}
-        assert _count_maps(daemon_pid) < maps_before  # its memfd mapping is gone
-    assert not _shm_entries() - before, "segments left in /dev/shm"
-
-
-def _shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _count_maps(pid: int) -> int:
-    with open(f"/proc/{pid}/maps") as fh:
-        return sum(1 for line in fh if "memfd:kvsidecar" in line)
+        assert memfd_mappings(daemon_pid) < maps_before  # its memfd mapping is gone
+    assert not shm_entries() - before, "segments left in /dev/shm"
 
 
 def test_sigterm_exits_cleanly_with_registered_worker() -> None:
@@ -225,13 +217,17 @@ def test_sigterm_exits_cleanly_with_registered_worker() -> None:
         assert not Path(d.config.ipc_path or "").exists()
 
 
-async def test_status_answers_promptly_during_a_1gib_move() -> None:
-    """In-process daemon: a 1 GiB offload runs on the copy executor while status round-trips."""
+async def test_status_is_answered_while_a_1gib_move_runs() -> None:
+    """In-process daemon: a 1 GiB offload runs on the copy executor while status round-trips.
+
+    A copy run on the event loop would hold every status until it ended, so each answer would
+    see no move in flight. Liveness only, with generous bounds: how fast the answers come is a
+    benchmark's figure (`kvsidecar bench`), not a test's on a shared two-core machine.
+    """
     config = make_config(host_pool_bytes=(1 << 30) + (1 << 20), copy_threads=2)
-    layers, blocks = 8, 512
-    shape = (2, blocks, 16, 8, 128)  # 512 blocks x 64 KiB K+V x 8 layers... per layer 64 MiB
-    nbytes_layer = 2 * blocks * 16 * 8 * 128 * 2
-    layers = (1 << 30) // nbytes_layer
+    blocks = 512
+    shape = (2, blocks, 16, 8, 128)  # 64 MiB of K+V per layer
+    layers = (1 << 30) // (2 * blocks * 16 * 8 * 128 * 2)
     caches = await asyncio.to_thread(allocate_kv_caches, layers, shape, torch.float16)
     async with run_daemon(config), AsyncSidecarClient(config.endpoint) as c:
         await c.register_kv_caches(
@@ -239,22 +235,14 @@ async def test_status_answers_promptly_during_a_1gib_move() -> None:
         )
         ids = await c.host_alloc("big", blocks)
         move = asyncio.create_task(c.offload(c.worker, list(range(blocks)), ids))
-        latencies, seen_in_flight = [], False
+        answered_mid_move = 0
         while not move.done():
-            t0 = time.perf_counter()
-            st = await c.status()
-            latencies.append(time.perf_counter() - t0)
-            seen_in_flight |= st.in_flight_moves > 0
+            st = await asyncio.wait_for(c.status(), 10)
+            if st.in_flight_moves > 0 and not move.done():
+                answered_mid_move += 1
         moved = await move
         assert moved.nbytes == 1 << 30
-        assert seen_in_flight, "the move finished before any status was answered"
-        # A blocked loop would hold every status for the whole copy. Allow a rare slow answer on a
-        # loaded 2-core machine (scheduler noise), but most must come back in well under 0.1 s.
-        latencies.sort()
-        assert len(latencies) >= 3, f"only {len(latencies)} status replies during the move"
-        p90 = latencies[int(0.9 * (len(latencies) - 1))]
-        assert p90 < 0.1, f"p90 status latency {p90:.3f} s during the move: {latencies}"
-        assert latencies[len(latencies) // 2] < 0.02, f"median status latency: {latencies}"
+        assert answered_mid_move >= 2, "status was not answered while the move ran"
         # Spot-check the bytes of a few blocks.
         host = await c.move(
             BufferSetRef(c.worker, "host"),

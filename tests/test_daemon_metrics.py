@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import threading
 import time
@@ -23,10 +22,12 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
-from tests.harness import DaemonProcess, daemon_process, make_config, run_daemon
-from tests.prom import find_binary, start_prometheus
-from tests.test_completions import ReportWorker
-from tests.test_deploy import dashboard_metrics_missing_from_scrape
+from tests.helpers.report_worker import CACHE_SHAPE
+from tests.support.children import ReportWorker, all_ready
+from tests.support.daemons import DaemonProcess, daemon_process, make_config, run_daemon
+from tests.support.ports import reserve_port
+from tests.support.prometheus import find_binary, start_prometheus
+from tests.support.promql import dashboard_metrics_missing_from_scrape
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,15 +43,12 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_prometheus_sees_exactly_the_bytes_moved() -> None:
     config = make_config(host_pool_bytes=16 << 20)
-    procs: list[ReportWorker] = []
+    layers = 2
+    kv, _, tokens, heads, head_size = CACHE_SHAPE
+    # What one block of a worker is, counted here from its shape (float16), not by the daemon.
+    block_bytes = layers * kv * tokens * heads * head_size * 2
     with daemon_process(config):
         with SidecarClient(config.endpoint, timeout_s=10, heartbeat=False) as c:
             port = c.status().metrics_port
@@ -58,70 +56,59 @@ def test_prometheus_sees_exactly_the_bytes_moved() -> None:
         base = f"http://127.0.0.1:{port}"
         assert _get(f"{base}/readyz")[0] == 200
         assert _get(f"{base}/healthz")[0] == 200
-        try:
-            for rank in range(2):
-                procs.append(
-                    ReportWorker(
-                        {
-                            "endpoint": config.endpoint,
-                            "engine": "prom",
-                            "tp_rank": rank,
-                            "tp_size": 2,
-                            "host_blocks": 8,
-                            "layers": 2,
-                        }
-                    )
-                )
-            for p in procs:
-                assert p.line(120) == "ready"
-            with start_prometheus([f"127.0.0.1:{port}"], scrape_interval_s=0.5) as prom:
-                prom.wait_for_targets_up()
-                moved = {"offload": 0, "onboard": 0}
-                # Interleaved with scrapes: rounds of moves from both worker processes.
-                for round_ in range(6):
-                    for p in procs:
-                        ids = [round_ % 8, (round_ + 3) % 8]
-                        kind = "offload" if round_ % 2 == 0 else "onboard"
-                        moved[kind] += p.call({"move": kind, "ids": ids})["nbytes"]
-                    time.sleep(0.3)
-                total = sum(moved.values())
-                assert total > 0
-                got = prom.wait_for_value(
-                    'sum(kvsidecar_moved_bytes_total{engine="prom"})', lambda v: v == total
-                )
-                assert got == total
-                for kind, nbytes in moved.items():
-                    expr = f'sum(kvsidecar_moved_bytes_total{{kind="{kind}"}})'
-                    assert prom.wait_for_value(expr, lambda v, n=nbytes: v == n) == nbytes
-                assert prom.query_value('sum(kvsidecar_moves_total{engine="prom"})') == 12
-                assert prom.query_value('kvsidecar_registered_workers{engine="prom"}') == 2
-                ok = 'sum(kvsidecar_commands_total{command="move",result="ok"})'
-                assert prom.wait_for_value(ok, lambda v: v == 12) == 12
+        spec = {"endpoint": config.endpoint, "engine": "prom", "tp_size": 2, "host_blocks": 8}
+        ranks = [{**spec, "tp_rank": r, "layers": layers} for r in range(2)]
+        with (
+            all_ready([ReportWorker(s) for s in ranks]) as procs,
+            start_prometheus([f"127.0.0.1:{port}"], scrape_interval_s=0.5) as prom,
+        ):
+            prom.wait_for_targets_up()
+            moved = {"offload": 0, "onboard": 0}
+            moves = 0
+            # Interleaved with scrapes: rounds of moves from both worker processes.
+            for round_ in range(6):
+                for p in procs:
+                    ids = [round_ % 8, (round_ + 3) % 8]
+                    kind = "offload" if round_ % 2 == 0 else "onboard"
+                    assert p.call({"move": kind, "ids": ids})["nbytes"] == len(ids) * block_bytes
+                    moved[kind] += len(ids) * block_bytes
+                    moves += 1
+                time.sleep(0.3)
+            total = sum(moved.values())
+            got = prom.wait_for_value(
+                'sum(kvsidecar_moved_bytes_total{engine="prom"})', lambda v: v == total
+            )
+            assert got == total
+            for kind, nbytes in moved.items():
+                expr = f'sum(kvsidecar_moved_bytes_total{{kind="{kind}"}})'
+                assert prom.wait_for_value(expr, lambda v, n=nbytes: v == n) == nbytes
+            assert prom.query_value('sum(kvsidecar_moves_total{engine="prom"})') == moves
+            assert prom.query_value('kvsidecar_registered_workers{engine="prom"}') == 2
+            ok = 'sum(kvsidecar_commands_total{command="move",result="ok"})'
+            assert prom.wait_for_value(ok, lambda v: v == moves) == moves
             status, exposition = _get(f"{base}/metrics")
-            assert status == 200
-            # The exposition as promtool sees it: no lint problem at all.
-            check = subprocess.run(
-                [find_binary("promtool"), "check", "metrics"],
-                input=exposition,
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            assert check.returncode == 0 and check.stdout + check.stderr == "", (
-                check.stdout + check.stderr
-            )
-            # The operators' dashboard finds every metric it queries on a live daemon.
-            assert dashboard_metrics_missing_from_scrape(exposition) == set()
-            # `python -m kvsidecar.daemon` turns the `_created` series off, process-wide.
-            assert "_created" not in exposition
-        finally:
-            for p in procs:
-                p.stop()
+        assert status == 200
+        # The exposition as promtool sees it: no lint problem at all.
+        check = subprocess.run(
+            [find_binary("promtool"), "check", "metrics"],
+            input=exposition,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert check.returncode == 0 and check.stdout + check.stderr == "", (
+            check.stdout + check.stderr
+        )
+        # The operators' dashboard finds every metric it queries on a live daemon.
+        assert dashboard_metrics_missing_from_scrape(exposition) == set()
+        # `python -m kvsidecar.daemon` turns the `_created` series off, process-wide.
+        assert "_created" not in exposition
 
 
 def test_health_and_readiness_follow_start_and_stop() -> None:
-    port = _free_port()
+    # Started by hand, not by `daemon_process`, to watch the port before the daemon binds it.
+    port = reserve_port()
     config = make_config(metrics_port=port)
     base = f"http://127.0.0.1:{port}"
     daemon = DaemonProcess(config)

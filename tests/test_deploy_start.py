@@ -25,7 +25,8 @@ import pytest
 
 from kvsidecar.daemon.config import Config
 from kvsidecar.exitcodes import EXIT_CONFIG
-from tests.harness import ROOT, DaemonProcess
+from tests.support import ROOT
+from tests.support.daemons import DaemonProcess
 from tests.test_deploy import K8S, sidecar_runtime_dir, yaml_documents
 
 pytestmark = [

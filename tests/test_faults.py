@@ -8,13 +8,9 @@ baseline. The peer daemon killed mid-pull is covered by tests/test_peer_faults.p
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
+import shutil
 import signal
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -23,67 +19,11 @@ import zmq
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, WorkerRef
 from kvsidecar.wire.protocol import Status
-from tests.harness import DaemonProcess, LineChild, daemon_process, make_config
+from tests.support.children import FaultWorker, all_ready
+from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.procfs import rss_mib, shm_entries
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-class Worker(LineChild):
-    """A `tests.helpers.fault_worker` process whose JSON lines are collected by a thread."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        super().__init__("fault_worker", spec, name="fault worker")
-        self.lines: list[dict[str, Any]] = []
-        self.ready = threading.Event()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.strip() == "ready":
-                self.ready.set()
-            elif line.startswith("{"):
-                self.lines.append(json.loads(line))
-
-    def outcomes(self) -> list[dict[str, Any]]:
-        return [x for x in self.lines if "i" in x]
-
-    def wait_for(self, pred: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"{what} within {timeout} s; last lines {self.lines[-5:]}")
-
-    def stop(self, timeout: float = 20) -> None:
-        self._end_process(timeout)
-        self._thread.join(5)  # it ends at the pipe's EOF; the pipes close after it
-        self._close_pipes()
-
-
-@contextlib.contextmanager
-def worker(spec: dict[str, Any]) -> Iterator[Worker]:
-    w = Worker(spec)
-    try:
-        if not w.ready.wait(120):
-            raise TimeoutError("worker did not register")
-        yield w
-    finally:
-        w.stop()
 
 
 def test_worker_sigkill_mid_move() -> None:
@@ -102,9 +42,9 @@ def test_worker_sigkill_mid_move() -> None:
             "head_size": 128,
             "batch": 64,
         }  # 128 MiB moves
-        w = Worker(spec)
+        w = FaultWorker(spec)
         try:
-            assert w.ready.wait(120)
+            w.wait_ready()
             w.wait_for(lambda: len(w.outcomes()) >= 3, 60, "three moves")
 
             async def other_client() -> list[Any]:
@@ -168,7 +108,7 @@ def test_daemon_sigkill_mid_move_and_restart() -> None:
             "batch": 32,
             "timeout_s": 2.0,
         }
-        with worker(spec) as w:
+        with all_ready([FaultWorker(spec)]) as (w,):
             w.wait_for(lambda: len(w.outcomes()) >= 20, 60, "twenty moves")
             d1.proc.send_signal(signal.SIGKILL)
             d1.proc.wait(5)
@@ -211,8 +151,6 @@ def test_daemon_sigkill_mid_move_and_restart() -> None:
         for d in (d1, d2):
             if d is not None:
                 d.stop()
-        import shutil
-
         shutil.rmtree(config.runtime_dir, ignore_errors=True)
     assert not shm_entries() - shm_before, "segments left in /dev/shm"
 
@@ -253,7 +191,8 @@ def test_client_that_stops_reading() -> None:
         assert peak - baseline < 96, f"daemon RSS grew {peak - baseline:.0f} MiB under the flood"
         time.sleep(1.0)
         with SidecarClient(d.config.endpoint, heartbeat=False) as c:
-            assert c.status().errors_total >= 0
+            # Every flooded request was a valid status: unread replies are dropped, not errors.
+            assert c.status().errors_total == 0
         print(
             f"flood: {sent} requests unread; status p99 {p99 * 1e3:.1f} ms; "
             f"RSS {baseline:.0f} -> {peak:.0f} MiB"

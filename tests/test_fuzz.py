@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -49,16 +48,14 @@ from kvsidecar.wire.protocol import (
     Unregister,
 )
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, LayoutSpec, ShmRef
-from tests.harness import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.ids import id_frame
+from tests.support.procfs import rss_mib
 
 BATCH = 50
 DEFAULT_INPUTS = 10_000
 SLOW_INPUTS = 100_000
 SHAPE = (2, 16, 4, 2, 8)
-
-
-def ids(*v: int) -> bytes:
-    return np.array(v, dtype="<i8").tobytes()
 
 
 A, B = WorkerRef("a"), WorkerRef("b")
@@ -72,13 +69,13 @@ TEMPLATES: list[list[bytes]] = [
         (Status(id=2), []),
         (Heartbeat(id=3, workers=[A, B], epochs=[0, 7]), []),
         (HostAlloc(id=4, engine_id="a", count=2), []),
-        (HostFree(id=5, engine_id="a"), [ids(0, 1)]),
-        (Move(id=6, src=BufferSetRef(A), dst=BufferSetRef(B)), [ids(1, 2), ids(3, 4)]),
+        (HostFree(id=5, engine_id="a"), [id_frame(0, 1)]),
+        (Move(id=6, src=BufferSetRef(A), dst=BufferSetRef(B)), [id_frame(1, 2), id_frame(3, 4)]),
         (
             Move(id=7, src=BufferSetRef(A), dst=BufferSetRef(A, "host"), checksum=True),
-            [ids(5), ids(0)],
+            [id_frame(5), id_frame(0)],
         ),
-        (FixLayout(id=8, target=BufferSetRef(B), remote=LayoutSpec("HND", 4)), [ids(9)]),
+        (FixLayout(id=8, target=BufferSetRef(B), remote=LayoutSpec("HND", 4)), [id_frame(9)]),
         (Grant(id=9, owner=A, grantee="b", read=True, write=True), []),
         (
             Register(
@@ -109,9 +106,9 @@ TEMPLATES: list[list[bytes]] = [
                 items=[PullItem("q", 1, 1)],
                 timeout_s=0.3,
             ),
-            [ids(1), ids(2)],
+            [id_frame(1), id_frame(2)],
         ),
-        (Publish(id=14, engine_id="a", request_id="q", lease_s=0.5), [ids(3)]),
+        (Publish(id=14, engine_id="a", request_id="q", lease_s=0.5), [id_frame(3)]),
         (TakePeerEvents(id=15, engine_id="a"), []),
         (Report(id=16, worker=A, epoch=1, step=3, finished_sending=frozenset({"r"})), []),
         (Collect(id=17, engine_id="a", step=1, timeout_s=0.01), []),
@@ -325,11 +322,11 @@ def _report(t: Target, label: str) -> None:
 @pytest.mark.timeout(150)
 def test_fuzz_live_daemon(target: Target) -> None:
     inputs = int(os.environ.get("KVSIDECAR_FUZZ_INPUTS", DEFAULT_INPUTS))
-    rss0 = _rss(target.daemon.proc.pid)
+    rss0 = rss_mib(target.daemon.proc.pid)
     _fuzz(target, inputs)
     assert target.stats.inputs >= inputs and target.stats.replies == target.stats.inputs
     _check_still_moves(target)
-    grown = _rss(target.daemon.proc.pid) - rss0
+    grown = rss_mib(target.daemon.proc.pid) - rss0
     _report(target, f"default, RSS +{grown:.0f} MiB")
     assert grown < 128, f"daemon RSS grew {grown:.0f} MiB during the fuzz"
 
@@ -341,11 +338,3 @@ def test_fuzz_live_daemon_long(target: Target) -> None:
     _fuzz(target, inputs)
     _check_still_moves(target)
     _report(target, "slow")
-
-
-def _rss(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0

@@ -183,37 +183,27 @@ def seed_layout_on_receive(cache: torch.Tensor, ids: list[int]) -> None:
             blk.copy_(torch.tensor(new, dtype=blk.dtype))
 
 
-def seed_blksize_on_receive(cache: torch.Tensor, ids: list[int], ratio: int) -> None:
-    """kv_postprocess_blksize_on_receive, in loops (HND cache given as (B, N, H, C))."""
+def seed_blksize_on_receive(
+    cache: torch.Tensor, ids: list[int], ratio: int, memory_order: str
+) -> None:
+    """kv_postprocess_blksize_on_receive (an HND cache, given as (B, N, H, C)) and
+    kv_postprocess_blksize_and_layout_on_receive (an NHD cache), in loops.
+
+    Both read a received block's values in memory order ((H, N, C) or (N, H, C)) as ``ratio``
+    remote HND blocks of (H, N / ratio, C), one after the other, and put token ``r * rn + m`` of
+    head ``h`` where remote block ``r``'s token ``m`` of head ``h`` was.
+    """
     for i in ids:
         blk = cache[i]
         nn, hh, cc = blk.shape
         rn = nn // ratio
-        # permute(0, 2, 1, 3): y[h][n][c], flattened in that logical order
-        flat = [blk[n, h, c].item() for h in range(hh) for n in range(nn) for c in range(cc)]
+        in_memory = blk.permute(1, 0, 2) if memory_order == "HND" else blk
+        flat = in_memory.flatten().tolist()
         new: list[list[list[Any]]] = [[[0] * cc for _ in range(hh)] for _ in range(nn)]
         for r in range(ratio):
             for h in range(hh):
                 for m in range(rn):
                     for c in range(cc):
-                        # reshape (R, H, rn, C), permute to (H, R, rn, C), flatten, permute back
-                        new[r * rn + m][h][c] = flat[((r * hh + h) * rn + m) * cc + c]
-        blk.copy_(torch.tensor(new, dtype=blk.dtype))
-
-
-def seed_blksize_and_layout_on_receive(cache: torch.Tensor, ids: list[int], ratio: int) -> None:
-    """kv_postprocess_blksize_and_layout_on_receive, in loops (NHD cache)."""
-    for i in ids:
-        blk = cache[i]
-        nn, hh, cc = blk.shape
-        rn = nn // ratio
-        flat = blk.flatten().tolist()
-        new = [[[0] * cc for _ in range(hh)] for _ in range(nn)]
-        for r in range(ratio):
-            for h in range(hh):
-                for m in range(rn):
-                    for c in range(cc):
-                        # reshape (R, H, rn, C), permute to (R, rn, H, C), flatten (R, rn)
                         new[r * rn + m][h][c] = flat[((r * hh + h) * rn + m) * cc + c]
         blk.copy_(torch.tensor(new, dtype=blk.dtype))
 
@@ -578,41 +568,34 @@ def test_matches_seed_layout_on_receive(dtype: torch.dtype, five_d: bool, path: 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_seed_blksize_on_receive(dtype: torch.dtype, ratio: int, path: str) -> None:
-    nb, n, h, c, ids = 4, 16, 2, 2, [2, 1]
-    _, cache = make_cache("split", "HND", nb, n, h, c, dtype, seed=2)
-    _, ref = make_cache("split", "HND", nb, n, h, c, dtype, seed=2)
-    seed_blksize_on_receive(as_ints(ref), ids, ratio)
-    with fix_path(path):
-        fix_received(cache, ids, remote_layout="HND", local_layout="HND", block_size_ratio=ratio)
-    assert torch.equal(as_ints(cache), as_ints(ref))
-    # vLLM 0.33's contiguous (B, H, N, C) view of the same memory fixes to the same bytes.
-    _, c033 = make_cache("split", "HND", nb, n, h, c, dtype, shape_order="HN", seed=2)
-    with fix_path(path):
-        fix_received(
-            c033,
-            ids,
-            remote_layout="HND",
-            local_layout="HND",
-            block_size_ratio=ratio,
-            shape_order="HN",
-        )
-    assert torch.equal(as_ints(c033).transpose(1, 2), as_ints(ref))
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_seed_blksize_and_layout_on_receive(
-    dtype: torch.dtype, ratio: int, path: str
+@pytest.mark.parametrize(
+    ("local", "h", "ids", "seed"),
+    [("HND", 2, [2, 1], 2), ("NHD", 3, [0, 3], 3)],
+    ids=["blksize", "blksize_and_layout"],
+)
+def test_matches_seed_blksize_on_receive(
+    local: str, h: int, ids: list[int], seed: int, dtype: torch.dtype, ratio: int, path: str
 ) -> None:
-    nb, n, h, c, ids = 4, 16, 3, 2, [0, 3]
-    _, cache = make_cache("split", "NHD", nb, n, h, c, dtype, seed=3)
-    _, ref = make_cache("split", "NHD", nb, n, h, c, dtype, seed=3)
-    seed_blksize_and_layout_on_receive(as_ints(ref), ids, ratio)
+    nb, n, c = 4, 16, 2
+    _, cache = make_cache("split", local, nb, n, h, c, dtype, seed=seed)
+    _, ref = make_cache("split", local, nb, n, h, c, dtype, seed=seed)
+    seed_blksize_on_receive(as_ints(ref), ids, ratio, local)
     with fix_path(path):
-        fix_received(cache, ids, remote_layout="HND", local_layout="NHD", block_size_ratio=ratio)
+        fix_received(cache, ids, remote_layout="HND", local_layout=local, block_size_ratio=ratio)
     assert torch.equal(as_ints(cache), as_ints(ref))
+    if local == "HND":
+        # vLLM 0.33's contiguous (B, H, N, C) view of the same memory fixes to the same bytes.
+        _, c033 = make_cache("split", "HND", nb, n, h, c, dtype, shape_order="HN", seed=seed)
+        with fix_path(path):
+            fix_received(
+                c033,
+                ids,
+                remote_layout="HND",
+                local_layout="HND",
+                block_size_ratio=ratio,
+                shape_order="HN",
+            )
+        assert torch.equal(as_ints(c033).transpose(1, 2), as_ints(ref))
 
 
 @pytest.mark.parametrize("ratio", RATIOS)

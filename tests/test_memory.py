@@ -7,7 +7,6 @@ started with subprocess (no fork, nothing inherited but stdin/stdout).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import signal
@@ -15,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -51,100 +49,15 @@ from kvsidecar.memory import (
     recv_fds,
     send_fds,
 )
+from tests.support.children import LineChild
+from tests.support.procfs import fd_count, mapped_inodes, open_fds, shm_entries
 
 pytestmark = pytest.mark.timeout(30)
-
-HELPERS = Path(__file__).parent / "helpers"
-ROOT = Path(__file__).parent.parent
-
-
-# ---------------------------------------------------------------------------------------------
-# observation helpers
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def open_fds() -> set[str]:
-    """This process's open fds (by target), after collecting garbage that may still hold some.
-
-    Compared as sets: an fd that an earlier test's garbage closes meanwhile is not a leak, and a
-    new fd left open is one, whatever else changed.
-    """
-    gc.collect()
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-        except FileNotFoundError:  # the listing's own directory fd
-            continue
-    return fds
-
-
-def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def mapped_inodes() -> list[tuple[int, int, int]]:
-    """(major, minor, inode) of every file-backed mapping of this process, one per mapping line."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 5 and parts[4] != "0":
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                found.append((major, minor, int(parts[4])))
-    return found
 
 
 def inode(fd: int) -> tuple[int, int, int]:
     st = os.fstat(fd)
     return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
-
-
-def spawn(script: str, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, str(HELPERS / script), *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-
-
-@contextlib.contextmanager
-def running(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
-    proc = spawn(script, *args)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
-
-def ask(proc: subprocess.Popen[str], line: str) -> str:
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-    return proc.stdout.readline().strip()
-
-
-async def aask(proc: subprocess.Popen[str], line: str) -> str:
-    # Off the loop: the fd-channel server must keep running while we wait for the worker.
-    return await asyncio.to_thread(ask, proc, line)
-
-
-async def areadline(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    return await asyncio.to_thread(proc.stdout.readline)
 
 
 @pytest.fixture
@@ -157,15 +70,15 @@ def sock_path(tmp_path: Path) -> Path:
 
 
 async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: Path) -> None:
-    shm_before = dev_shm()
+    shm_before = shm_entries()
     closed: asyncio.Queue[tuple[FdConnection, float]] = asyncio.Queue()
     server = FdChannelServer(sock_path, on_close=lambda c: closed.put_nowait((c, time.monotonic())))
     await server.start()
     fds_before = open_fds()
     buffers: list[MappedBuffer] = []
     try:
-        with running("shm_worker.py", str(sock_path)) as worker:
-            hello = msgspec.json.decode(await areadline(worker))
+        with LineChild("shm_worker", str(sock_path), exit_line="quit") as worker:
+            hello = msgspec.json.decode(await asyncio.to_thread(worker.line))
             handles = msgspec.convert(hello["handles"], list[ShmHandle])
             assert hello["strategy"] == "file_descriptor"
             conn, fds = await server.take(bytes.fromhex(hello["token"]), timeout=15)
@@ -193,16 +106,16 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
             # daemon -> worker, and worker -> daemon after mapping
             as_f32[2][5] = -3.5
             buffers[4].flat[10] = 200
-            assert await aask(worker, "get 2 5") == "-3.5"
-            assert await aask(worker, "get 4 10") == "200.0"
-            assert await aask(worker, "set 3 127 99") == "ok"
+            assert await asyncio.to_thread(worker.ask, "get 2 5") == "-3.5"
+            assert await asyncio.to_thread(worker.ask, "get 4 10") == "200.0"
+            assert await asyncio.to_thread(worker.ask, "set 3 127 99") == "ok"
             assert float(as_f32[3][127]) == 99.0
-            assert await aask(worker, "peer_closed") == "False"
+            assert await asyncio.to_thread(worker.ask, "peer_closed") == "False"
             # nothing named anywhere while everything is live
-            assert not dev_shm() - shm_before
+            assert not shm_entries() - shm_before
 
             killed_at = time.monotonic()
-            worker.send_signal(signal.SIGKILL)
+            worker.proc.send_signal(signal.SIGKILL)
             conn_closed, seen_at = await asyncio.wait_for(closed.get(), timeout=5)
             assert conn_closed is conn and conn.closed
             latency = seen_at - killed_at
@@ -221,7 +134,7 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
         gc.collect()
         assert not set(inodes) & set(mapped_inodes()), "a mapping outlived close()"
         assert not open_fds() - fds_before, f"fds leaked: {open_fds() - fds_before}"
-        assert not dev_shm() - shm_before
+        assert not shm_entries() - shm_before
         assert server.connections == []
     finally:
         await server.close()
@@ -232,28 +145,27 @@ async def test_worker_memory_mapped_and_sigkill_releases_everything(sock_path: P
 
 
 def test_daemon_sigkill_leaves_worker_memory_and_nothing_else(sock_path: Path) -> None:
-    shm_before = dev_shm()
+    shm_before = shm_entries()
     fds_before = open_fds()
     layers = allocate_kv_caches(4, (16, 8), torch.float16)
     plain = torch.zeros(256, dtype=torch.int32).share_memory_()
     handles, fds = export_tensors([*layers, plain])
     assert len(fds) == 2
     inodes = [inode(fd) for fd in fds]
-    with running("shm_daemon.py", str(sock_path)) as daemon:
-        assert daemon.stdout is not None
-        assert daemon.stdout.readline().strip() == "ready"
+    with LineChild("shm_daemon", str(sock_path)) as daemon:
+        daemon.wait_ready(30)
         token = new_token()
         with FdChannelClient(sock_path) as client:
             client.send(token, fds)
-            reply = ask(daemon, msgspec.json.encode(handles).decode()).split()
+            reply = daemon.ask(msgspec.json.encode(handles).decode()).split()
             assert reply[:2] == ["mapped", token.hex()]
             # the daemon's writes are visible here
             assert all(int(t.view(torch.uint8).flatten()[0]) == 42 for t in layers)
             assert plain.view(torch.uint8)[0] == 42
             assert not client.peer_closed()
 
-            daemon.send_signal(signal.SIGKILL)
-            daemon.wait(5)
+            daemon.proc.send_signal(signal.SIGKILL)
+            daemon.proc.wait(5)
             deadline = time.monotonic() + 2
             while not client.peer_closed():
                 assert time.monotonic() < deadline, "daemon death not seen on the fd channel"
@@ -261,12 +173,12 @@ def test_daemon_sigkill_leaves_worker_memory_and_nothing_else(sock_path: Path) -
         # our memory is untouched and still ours
         layers[2][3, 4] = 1.5
         assert float(layers[2][3, 4]) == 1.5
-        assert not dev_shm() - shm_before
+        assert not shm_entries() - shm_before
     del layers, plain
     gc.collect()
     assert not set(inodes) & set(mapped_inodes())
     assert not open_fds() - fds_before, f"fds leaked: {open_fds() - fds_before}"
-    assert not dev_shm() - shm_before
+    assert not shm_entries() - shm_before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +220,7 @@ def test_export_refuses_file_system_strategy_tensor() -> None:
     # Its named file is torch_shm_manager's to remove; wait for that so later tests see a clean
     # /dev/shm (and so the claim in MEASURED.md stays checked).
     deadline = time.monotonic() + 10
-    while any(name.startswith(f"torch_{pid}_") for name in dev_shm()):
+    while any(name.startswith(f"torch_{pid}_") for name in shm_entries()):
         assert time.monotonic() < deadline, "torch_shm_manager left a file in /dev/shm"
         time.sleep(0.1)
 
@@ -330,7 +242,7 @@ def test_byte_span_and_views_of_one_storage() -> None:
 def test_allocate_shared_is_sealed_anonymous_and_touched() -> None:
     import fcntl
 
-    before = dev_shm()
+    before = shm_entries()
     flat = allocate_shared(3 * 4096 + 5)
     _, fd = export_tensor(flat)
     assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvsidecar")
@@ -339,7 +251,7 @@ def test_allocate_shared_is_sealed_anonymous_and_touched() -> None:
     with pytest.raises(OSError):
         os.ftruncate(fd, 10)
     assert flat.numel() == 3 * 4096 + 5 and bool((flat == 0).all())
-    assert not dev_shm() - before
+    assert not shm_entries() - before
     with pytest.raises(HandleError):
         allocate_shared(0)
 
@@ -720,9 +632,8 @@ def test_cuda_ipc_without_cuda_is_a_typed_error() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_between_unrelated_processes() -> None:
-    with running("cuda_worker.py") as worker:
-        assert worker.stdout is not None
-        handles = msgspec.json.decode(worker.stdout.readline(), type=list[CudaIpcHandle])
+    with LineChild("cuda_worker", exit_line="quit") as worker:
+        handles = msgspec.json.decode(worker.line(60), type=list[CudaIpcHandle])
         assert len({h.storage_key() for h in handles}) == 1, "layers of one storage share it"
         buffers = open_handles(handles)
         assert [b.kind for b in buffers] == ["cuda_ipc"] * len(handles)
@@ -730,11 +641,11 @@ def test_cuda_ipc_between_unrelated_processes() -> None:
             assert bool((b.flat.view(torch.float32) == i + 1).all())
         buffers[1].flat.view(torch.float32)[0] = 42.0
         torch.cuda.synchronize()
-        assert ask(worker, "get 1 0") == "42.0"
-        assert ask(worker, "set 0 3 7") == "ok"
+        assert worker.ask("get 1 0") == "42.0"
+        assert worker.ask("set 0 3 7") == "ok"
         assert float(buffers[0].flat.view(torch.float32)[3]) == 7.0
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(10)
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait(10)
         # the exporter is gone; our imported mapping is still readable until closed
         assert float(buffers[0].flat.view(torch.float32)[3]) == 7.0
         for b in buffers:

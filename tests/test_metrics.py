@@ -19,12 +19,17 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from kvsidecar.daemon.metrics import LAYOUT_FIX_KINDS, MOVE_KINDS, DaemonMetrics
 from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
 from kvsidecar.daemon.metrics_state import StateSnapshot
-from tests.prom import find_binary, prometheus_running
+from tests.support.prometheus import find_binary, prometheus_running
 
 pytestmark = pytest.mark.timeout(60)
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    """The value of one sample on ``registry``; None when it has no such sample."""
+    return registry.get_sample_value(name, labels)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,8 +162,8 @@ async def test_real_prometheus_sees_bytes_moved_and_byte_weighted_throughput() -
             await prom.await_value("sum(kvsidecar_moved_bytes_total)", lambda v: v == bytes_1)
             bytes_2, seconds_2 = record_workload(h.metrics)
             total_bytes, total_seconds = bytes_1 + bytes_2, seconds_1 + seconds_2
-            assert h.registry.get_sample_value(
-                "kvsidecar_moves_total", {"kind": "local", "engine": "engine-a"}
+            assert sample(
+                h.registry, "kvsidecar_moves_total", kind="local", engine="engine-a"
             ) == pytest.approx(2.0)
 
             value = await prom.await_value(
@@ -335,10 +340,8 @@ async def test_healthz_reports_a_stalled_event_loop() -> None:
             await asyncio.sleep(0.05)
         assert (await http_get(h.server.port, "/readyz")).status == 200
 
-        count = h.registry.get_sample_value("kvsidecar_event_loop_lag_seconds_count")
-        slow = h.registry.get_sample_value(
-            "kvsidecar_event_loop_lag_seconds_bucket", {"le": "0.25"}
-        )
+        count = sample(h.registry, "kvsidecar_event_loop_lag_seconds_count")
+        slow = sample(h.registry, "kvsidecar_event_loop_lag_seconds_bucket", le="0.25")
         assert count is not None and slow is not None
         assert count - slow >= 1  # the 0.4 s stall landed above the 0.25 s bucket
 
@@ -432,7 +435,7 @@ async def test_remove_engine_removes_every_label_set() -> None:
 
     labels_a = {"kind": "offload", "engine": "engine-a"}
     assert registry.get_sample_value("kvsidecar_moved_bytes_total", labels_a) == 4 * MiB
-    assert registry.get_sample_value("kvsidecar_lease_expiries_total", {"engine": "engine-a"}) == 1
+    assert sample(registry, "kvsidecar_lease_expiries_total", engine="engine-a") == 1
 
     metrics.remove_engine("engine-a")
     state.snapshot = StateSnapshot(registered_workers={"engine-b": 1})  # the daemon forgets it too
@@ -445,21 +448,14 @@ async def test_remove_engine_removes_every_label_set() -> None:
         for kind in MOVE_KINDS:
             assert registry.get_sample_value(name, {"kind": kind, "engine": "engine-a"}) is None
             assert registry.get_sample_value(name, {"kind": kind, "engine": "engine-b"}) is not None
-    assert (
-        registry.get_sample_value("kvsidecar_lease_expiries_total", {"engine": "engine-a"}) is None
-    )
+    assert sample(registry, "kvsidecar_lease_expiries_total", engine="engine-a") is None
     assert _engine_samples(registry, "engine-a") == []
-    assert registry.get_sample_value("kvsidecar_lease_expiries_total", {"engine": "engine-b"}) == 1
+    assert sample(registry, "kvsidecar_lease_expiries_total", engine="engine-b") == 1
     # Not engine-labelled: kept.
     assert (
-        registry.get_sample_value(
-            "kvsidecar_move_failures_total", {"kind": "onboard", "code": "engine_gone"}
-        )
-        == 1
+        sample(registry, "kvsidecar_move_failures_total", kind="onboard", code="engine_gone") == 1
     )
-    assert (
-        registry.get_sample_value("kvsidecar_move_duration_seconds_count", {"kind": "offload"}) == 2
-    )
+    assert sample(registry, "kvsidecar_move_duration_seconds_count", kind="offload") == 2
 
     # An engine that comes back starts from scratch (Prometheus reads it as a counter reset).
     metrics.record_move("offload", "engine-a", 100, 0.001)
@@ -569,26 +565,22 @@ def test_record_rules() -> None:
     with pytest.raises(ValueError, match="negative"):
         metrics.record_move("local", "engine-a", -1, 0.1)
     assert (
-        registry.get_sample_value("kvsidecar_moves_total", {"kind": "local", "engine": "engine-a"})
-        == 0
+        sample(registry, "kvsidecar_moves_total", kind="local", engine="engine-a") == 0
     )  # nothing half-recorded
 
     # A negative or NaN duration must not make the histogram's _sum go down (a fake reset).
     metrics.record_move("local", "engine-a", 10, 0.25)
     metrics.record_move("local", "engine-a", 10, -1.0)
     metrics.record_move("local", "engine-a", 10, float("nan"))
-    assert registry.get_sample_value(
-        "kvsidecar_move_duration_seconds_sum", {"kind": "local"}
-    ) == pytest.approx(0.25)
-    assert (
-        registry.get_sample_value("kvsidecar_move_duration_seconds_count", {"kind": "local"}) == 3
+    assert sample(registry, "kvsidecar_move_duration_seconds_sum", kind="local") == pytest.approx(
+        0.25
     )
+    assert sample(registry, "kvsidecar_move_duration_seconds_count", kind="local") == 3
 
     metrics.record_command("collect", "ok", 0.0001)
     metrics.record_command("collect", "stale_step", 0.00005)
-    get = registry.get_sample_value
-    assert get("kvsidecar_commands_total", {"command": "collect", "result": "stale_step"}) == 1
-    assert get("kvsidecar_command_duration_seconds_count", {"command": "collect"}) == 2
+    assert sample(registry, "kvsidecar_commands_total", command="collect", result="stale_step") == 1
+    assert sample(registry, "kvsidecar_command_duration_seconds_count", command="collect") == 2
 
 
 def test_metrics_live_only_on_the_injected_registry() -> None:
@@ -596,9 +588,10 @@ def test_metrics_live_only_on_the_injected_registry() -> None:
     a = DaemonMetrics(first)
     DaemonMetrics(second, build_labels={"version": "9.9.9"})
     a.record_move("peer_send", "engine-a", 123, 0.01)
-    labels = {"kind": "peer_send", "engine": "engine-a"}
-    assert first.get_sample_value("kvsidecar_moved_bytes_total", labels) == 123
-    assert second.get_sample_value("kvsidecar_moved_bytes_total", labels) is None
+    assert sample(first, "kvsidecar_moved_bytes_total", kind="peer_send", engine="engine-a") == 123
+    assert (
+        sample(second, "kvsidecar_moved_bytes_total", kind="peer_send", engine="engine-a") is None
+    )
     assert prometheus_client.REGISTRY.get_sample_value("kvsidecar_insecure_transport") is None
     info = [s for f in second.collect() if f.name == "kvsidecar_build" for s in f.samples]
     assert info[0].labels["version"] == "9.9.9" and info[0].labels["torch"]

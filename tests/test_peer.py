@@ -3,14 +3,15 @@
 One producer daemon and one consumer daemon (each with a NIXL agent when NIXL is installed),
 one producer worker process registering every producer engine and one consumer worker process
 registering every consumer engine: each case is a pair of engines with its own sizes, so the
-whole matrix runs on four processes. Expectations come from `tests.peer_harness.expected_rank`
-(the producer's seeded values, indexed by hand), never from the daemon's code.
+whole matrix runs on four processes. Expectations come from `expected_rank` (the producer's
+seeded values, indexed by hand), never from the daemon's code. Each pull starts from the
+consumer's initial values (the worker refills them), so a data plane that moves nothing fails.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,10 @@ import pytest
 from kvsidecar.client import SidecarClient
 from kvsidecar.peer.nixl_plane import nixl_available
 from kvsidecar.wire.errors import SidecarError
-from tests.peer_harness import daemon, expected_rank, free_port, peer_config, peer_workers
+from tests.helpers.peer_worker import global_layer, rank_heads, rank_values
+from tests.support.children import peer_workers
+from tests.support.daemons import peer_daemon
+from tests.support.ports import tcp_endpoint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,8 +73,8 @@ def cluster() -> Iterator[Cluster]:
     plane = "auto" if nixl_available() else "zmq"
     specs = engines()
     with (
-        daemon(peer_config(peer_data_plane=plane)) as prod,
-        daemon(peer_config(peer_data_plane=plane, peer_endpoint="")) as cons,
+        peer_daemon(peer_data_plane=plane) as prod,
+        peer_daemon(peer_data_plane=plane, peer_endpoint="") as cons,
         peer_workers({"endpoints": [prod.config.endpoint], "engines": specs[0]}) as pw,
         peer_workers({"endpoints": [cons.config.endpoint], "engines": specs[1]}) as cw,
     ):
@@ -94,6 +98,33 @@ def _ids(case: str) -> tuple[dict[str, tuple[list[int], list[int]]], int]:
         a_remote = [7, 8, 9, 2]
     b_remote = [23, 22, 1, 12, 17, 18, 5, 6][: ratio * 2]
     return {"req-a": (a_remote, a_local), "req-b": (b_remote, b_local)}, ratio
+
+
+def expected_rank(
+    producer: dict[str, Any],
+    consumer: dict[str, Any],
+    rank: int,
+    layer: int,
+    remote_ids: Sequence[int],
+    local_ids: Sequence[int],
+    before: np.ndarray | None = None,
+) -> np.ndarray:
+    """A consumer rank's layer after the pull, by plain indexing of the producer's values."""
+    out = (rank_values(consumer, rank, layer) if before is None else before).copy()
+    g = global_layer(producer, layer)
+    ratio = consumer["block_size"] // producer["block_size"]
+    n = producer["block_size"]
+    mla = consumer.get("arrangement", "kv_first") == "mla"
+    for j, lb in enumerate(local_ids):
+        rb = list(remote_ids[j * ratio : (j + 1) * ratio])
+        if not rb:
+            continue
+        if mla:
+            out[lb, : len(rb) * n] = np.concatenate([g[b] for b in rb], axis=0)
+        else:
+            tokens = np.concatenate([g[:, b] for b in rb], axis=1)
+            out[:, lb, : len(rb) * n] = tokens[:, :, rank_heads(consumer, rank)]
+    return out
 
 
 def _check(cluster: Cluster, case: str, requests: Any, tmp: Path) -> None:
@@ -132,6 +163,8 @@ def test_pull_bytes(cluster: Cluster, case: str, plane: str, tmp_path: Path) -> 
     ):
         pc.take_peer_events()
         cc.take_peer_events()
+        # The other plane's test may have pulled the same blocks: back to the initial values.
+        cluster.cw.refill()
         for rid, (remote, _) in requests.items():
             pc.publish(f"{case}-p", f"{plane}-{rid}", remote)
         pulled = cc.pull(
@@ -178,9 +211,7 @@ def test_unreachable_peer(cluster: Cluster) -> None:
     with SidecarClient(cluster.cons.config.endpoint) as cc:
         cc.take_peer_events()
         started = time.monotonic()
-        pulled = cc.pull(
-            "same_tp-c", f"tcp://127.0.0.1:{free_port()}", "same_tp-p", {"r": ([1], [5])}
-        )
+        pulled = cc.pull("same_tp-c", tcp_endpoint(), "same_tp-p", {"r": ([1], [5])})
         took = time.monotonic() - started
         assert pulled.failed == ["r"] and pulled.invalid_block_ids == [5]
         assert pulled.error_code == "peer_unavailable"

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kvsidecar.client import SidecarClient
-from tests.peer_harness import daemon, peer_config, peer_workers
+from tests.support.children import peer_workers
+from tests.support.daemons import peer_daemon
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,15 +22,12 @@ BIG = {"layers": 8, "blocks": 512, "block_size": 16, "heads": 8, "head_size": 12
 
 
 def test_producer_killed_mid_transfer() -> None:
-    prod_cfg = peer_config(peer_max_in_flight=1, peer_chunk_bytes=1 << 20)
-    cons_cfg = peer_config(
-        peer_endpoint="", peer_max_in_flight=1, peer_chunk_bytes=1 << 20, peer_pull_timeout_s=20
-    )
+    bounds = {"peer_max_in_flight": 1, "peer_chunk_bytes": 1 << 20}
     p = {**BIG, "engine": "p", "seed": 1, "tp_size": 1, "fill": False}
     c = {**BIG, "engine": "c", "seed": 2, "tp_size": 1, "fill": False}
     with (
-        daemon(prod_cfg) as prod,
-        daemon(cons_cfg) as cons,
+        peer_daemon(**bounds) as prod,
+        peer_daemon(**bounds, peer_endpoint="", peer_pull_timeout_s=20) as cons,
         peer_workers({"endpoints": [prod.config.endpoint], "engines": [p]}),
         peer_workers({"endpoints": [cons.config.endpoint], "engines": [c]}),
         SidecarClient(cons.config.endpoint, timeout_s=30) as cc,

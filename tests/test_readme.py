@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, daemon_process, make_config
+from tests.support import ROOT
+from tests.support.daemons import daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from kvsidecar.core import integrity
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import Moved
-from tests.harness import make_config, run_daemon
+from tests.support.daemons import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(60)
 

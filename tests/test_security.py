@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -28,18 +27,14 @@ from kvsidecar.daemon.config import Config, ConfigError
 from kvsidecar.daemon.server import Daemon
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.curve import KeyFileError, keygen, load_authorized_keys, load_keypair
-from tests.harness import ROOT, make_config, run_daemon
+from tests.support import ROOT, python_env
+from tests.support.daemons import make_config, run_daemon
+from tests.support.ports import tcp_endpoint
 
 pytestmark = pytest.mark.timeout(60)
 
 NOBODY = 65534
 SHAPE = (2, 16, 4, 2, 8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ ipc: peer uid
@@ -57,7 +52,7 @@ async def _as_nobody(config: Config) -> dict[str, Any]:
             config.fd_socket,
         ],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=python_env(),
         capture_output=True,
         text=True,
         timeout=30,
@@ -162,7 +157,8 @@ def test_keygen_files(tmp_path: Path) -> None:
 def test_tcp_needs_keys_or_insecure(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="curve_secret_key"):
         Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555")
-    assert Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555", insecure=True)
+    plain = Config(runtime_dir=str(tmp_path), endpoint="tcp://127.0.0.1:5555", insecure=True)
+    assert plain.endpoint == "tcp://127.0.0.1:5555" and plain.insecure
     with pytest.raises(ConfigError, match="allowed_uids"):
         Config(runtime_dir=str(tmp_path), allowed_uids="root")
 
@@ -171,12 +167,13 @@ def test_tcp_needs_keys_or_insecure(tmp_path: Path) -> None:
 async def curve_daemon(tmp_path: Path) -> AsyncIterator[tuple[Daemon, Path]]:
     _, server_secret = keygen(tmp_path / "server", "daemon")
     keygen(tmp_path / "clients", "worker")
-    config = make_config(
-        endpoint=f"tcp://127.0.0.1:{free_port()}",
-        curve_secret_key=str(server_secret),
-        curve_authorized_keys=str(tmp_path / "clients"),
-    )
-    async with run_daemon(config) as daemon:
+    async with run_daemon(
+        lambda: make_config(
+            endpoint=tcp_endpoint(),
+            curve_secret_key=str(server_secret),
+            curve_authorized_keys=str(tmp_path / "clients"),
+        )
+    ) as daemon:
         yield daemon, tmp_path
 
 
@@ -211,12 +208,9 @@ async def test_curve_refuses_unknown_key_and_plain_text(curve_daemon: tuple[Daem
 
 
 async def test_plain_tcp_only_when_insecure() -> None:
-    config = make_config(endpoint=f"tcp://127.0.0.1:{free_port()}", insecure=True)
-    async with (
-        run_daemon(config) as daemon,
-        AsyncSidecarClient(config.endpoint, heartbeat=False) as c,
-    ):
-        await c.status()
+    async with run_daemon(lambda: make_config(endpoint=tcp_endpoint(), insecure=True)) as daemon:
+        async with AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert (await c.status()).endpoint == daemon.config.endpoint
         assert daemon.insecure_transport
         registry = daemon.observability.registry
         assert registry.get_sample_value("kvsidecar_insecure_transport") == 1
@@ -294,12 +288,11 @@ async def test_peer_endpoint_refuses_daemons_without_the_cluster_key(tmp_path: P
     """The peer endpoint takes CURVE peers with an authorized key only (here: the cluster's)."""
     _, cluster = keygen(tmp_path / "cluster", "cluster")
     keygen(tmp_path / "other", "other")
-    config = make_config(
-        peer_endpoint=f"tcp://127.0.0.1:{free_port()}",
-        peer_data_plane="zmq",
-        curve_secret_key=str(cluster),
-    )
-    async with run_daemon(config) as daemon:
+    async with run_daemon(
+        lambda: make_config(
+            peer_endpoint=tcp_endpoint(), peer_data_plane="zmq", curve_secret_key=str(cluster)
+        )
+    ) as daemon:
         assert daemon.peer is not None
         zap = daemon.peer._zap
         assert zap is not None
@@ -311,7 +304,7 @@ async def test_peer_endpoint_refuses_daemons_without_the_cluster_key(tmp_path: P
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-            sock.connect(config.peer_endpoint)
+            sock.connect(daemon.config.peer_endpoint)
             for _ in range(100):  # the handshake (and its ZAP verdict) needs no message
                 if zap.stats.refused + zap.stats.accepted >= (1 if keys.public != server else 2):
                     break

@@ -19,8 +19,9 @@ from collections import Counter
 import pytest
 
 from kvsidecar.client import SidecarClient
-from tests.harness import daemon_process, make_config
-from tests.test_faults import Worker, rss_mib, shm_entries
+from tests.support.children import FaultWorker
+from tests.support.daemons import daemon_process, make_config
+from tests.support.procfs import rss_mib, shm_entries
 
 DURATION_S = float(os.environ.get("KVSIDECAR_SOAK_S", "60"))
 RANKS = 8
@@ -51,13 +52,13 @@ def test_soak_eight_workers() -> None:
             "pause_s": 0.005,
             "timeout_s": 10.0,
         }
-        workers = [Worker({**spec, "tp_rank": r}) for r in range(RANKS)]
+        workers = [FaultWorker({**spec, "tp_rank": r}) for r in range(RANKS)]
         finished: Counter[str] = Counter()
         rss: list[tuple[float, float]] = []
         collect_s: list[float] = []
         try:
             for w in workers:
-                assert w.ready.wait(180), "a worker did not register"
+                w.wait_ready(180)
             with SidecarClient(config.endpoint, heartbeat=False, timeout_s=20) as sched:
                 t_start = time.monotonic()
                 step, last_rss = 0, 0.0

@@ -12,8 +12,8 @@ the completion aggregation. A final ``{"done": n, "reconnects": r}`` line ends t
 from __future__ import annotations
 
 import json
-import select
 import sys
+import threading
 import time
 from typing import Any
 
@@ -22,6 +22,14 @@ import torch
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.errors import SidecarError
+
+
+def _wait_for_exit(stop: threading.Event) -> None:
+    """Set ``stop`` at an ``exit`` line or the end of stdin (read on a thread: the loop moves)."""
+    for line in sys.stdin:
+        if line.strip() == "exit":
+            break
+    stop.set()
 
 
 def main() -> None:
@@ -41,13 +49,11 @@ def main() -> None:
         host_blocks=blocks,
     )
     print("ready", flush=True)
+    stop = threading.Event()
+    threading.Thread(target=_wait_for_exit, args=(stop,), daemon=True).start()
     n, batch, pause = 0, spec.get("batch", 8), spec.get("pause_s", 0.0)
     step = 0
-    while True:
-        if select.select([sys.stdin], [], [], 0)[0]:
-            line = sys.stdin.readline()
-            if not line or line.strip() == "exit":
-                break
+    while not stop.is_set():
         src = [(n * batch + k) % blocks for k in range(batch)]
         t0 = time.perf_counter()
         out: dict[str, Any] = {"i": n, "t": time.time()}

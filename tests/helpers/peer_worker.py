@@ -9,7 +9,8 @@ Every rank of every engine is allocated in shared memory, filled from `global_la
 holds its heads of it, MLA ranks hold all of it), registered, then ``ready`` is printed.
 
 stdin commands: ``dump <dir>`` writes ``<engine>.r<rank>.l<layer>.npy`` (logical tensors, NHD
-shape order) and prints ``ok``; ``exit`` ends the process.
+shape order) and prints ``ok``; ``fill`` puts every rank's memory back to its initial values (as
+registered) and prints ``ok``; ``exit`` ends the process.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def rank_values(e: dict[str, Any], rank: int, layer: int) -> np.ndarray:
     return g[:, :, :, rank_heads(e, rank)]
 
 
+def fill(e: dict[str, Any], rank: int, tensors: list[torch.Tensor]) -> None:
+    """Put a rank's initial values (`rank_values`) into its tensors; zeros without ``fill``."""
+    mla = e.get("arrangement", "kv_first") == "mla"
+    order = "NHD" if mla else e.get("order", "NHD")
+    for i, t in enumerate(tensors):
+        if not e.get("fill", True):
+            t.zero_()  # big buffers for fault tests and benchmarks: contents do not matter
+            continue
+        view = t.transpose(-3, -2) if order == "HND" else t
+        view.copy_(torch.from_numpy(rank_values(e, rank, i)))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     clients = [SidecarClient(ep, timeout_s=20) for ep in spec["endpoints"]]
@@ -65,11 +78,8 @@ def main() -> None:
             if order == "HND":
                 shape[-3], shape[-2] = shape[-2], shape[-3]
             tensors = allocate_kv_caches(e["layers"], shape, torch.float16)
-            for i, t in enumerate(tensors):
-                if not e.get("fill", True):
-                    break  # big buffers for fault tests and benchmarks: contents do not matter
-                view = t.transpose(-3, -2) if order == "HND" else t
-                view.copy_(torch.from_numpy(rank_values(e, rank, i)))
+            if e.get("fill", True):  # allocated zeroed: big unfilled buffers stay untouched
+                fill(e, rank, tensors)
             caches[(e["engine"], rank)] = tensors
             for client in clients:
                 client.register_kv_caches(
@@ -84,6 +94,7 @@ def main() -> None:
                 )
     print("ready", flush=True)
     orders = {e["engine"]: e.get("order", "NHD") for e in spec["engines"]}
+    engines = {e["engine"]: e for e in spec["engines"]}
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "dump":
@@ -93,6 +104,10 @@ def main() -> None:
                 for i, t in enumerate(tensors):
                     view = t.transpose(-3, -2) if orders[engine] == "HND" and t.dim() == 5 else t
                     np.save(out / f"{engine}.r{rank}.l{i}.npy", view.contiguous().numpy())
+            print("ok", flush=True)
+        elif cmd == "fill":
+            for (engine, rank), tensors in caches.items():
+                fill(engines[engine], rank, tensors)
             print("ok", flush=True)
         elif cmd == "exit":
             break

@@ -26,12 +26,15 @@ from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.errors import SidecarError
 
+CACHE_SHAPE = (2, 16, 16, 2, 64)
+"""Every layer's (K/V, blocks, tokens per block, heads, head size), in float16."""
+
 _KEYS = ("finished_sending", "finished_recving", "failed_recving", "invalid_block_ids")
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    caches = allocate_kv_caches(spec.get("layers", 1), [2, 16, 16, 2, 64], torch.float16)
+    caches = allocate_kv_caches(spec.get("layers", 1), CACHE_SHAPE, torch.float16)
     client = SidecarClient(spec["endpoint"], timeout_s=10)
     client.register_kv_caches(
         {f"layer{i}": c for i, c in enumerate(caches)},

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -33,6 +32,8 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from tests.support.ports import is_port_clash, reserve_port
 
 __all__ = [
     "Prometheus",
@@ -62,12 +63,6 @@ _live: set[subprocess.Popen[bytes]] = set()
 def _kill_leftovers() -> None:
     for process in list(_live):
         process.kill()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Prometheus:
@@ -120,7 +115,7 @@ class Prometheus:
         binary = find_binary("prometheus")
         last_error = ""
         for _ in range(attempts):
-            self.port = _free_port()
+            self.port = reserve_port()
             storage = Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
             with self.log_path.open("ab") as log:
                 self.process = subprocess.Popen(
@@ -148,7 +143,7 @@ class Prometheus:
             else:
                 last_error = f"prometheus not ready within {timeout_s}s"
             self.stop()
-            if "address already in use" not in self._log_tail():
+            if not is_port_clash(self._log_tail()):
                 break
         raise RuntimeError(f"{last_error}; log tail:\n{self._log_tail()}")
 

@@ -1,0 +1,62 @@
+"""What ``/proc`` and ``/dev/shm`` say about a process: memory, mappings, open fds, segments.
+
+For leak checks: take a reading before, do the thing, compare after.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (``VmRSS``)."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid} (a zombie?)")
+
+
+def shm_entries() -> set[str]:
+    """The names in ``/dev/shm``: a test that leaves one behind leaked a segment."""
+    return set(os.listdir("/dev/shm"))
+
+
+def memfd_mappings(pid: int, name: str = "kvsidecar") -> int:
+    """How many mappings of process ``pid`` are of memfds called ``name``."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return sum(1 for line in fh if f"memfd:{name}" in line)
+
+
+def fd_count() -> int:
+    """How many fds this process has open."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def open_fds() -> set[str]:
+    """This process's open fds (by target), after collecting garbage that may still hold some.
+
+    Compared as sets: an fd that an earlier test's garbage closes meanwhile is not a leak, and a
+    new fd left open is one, whatever else changed.
+    """
+    gc.collect()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:  # the listing's own directory fd
+            continue
+    return fds
+
+
+def mapped_inodes() -> list[tuple[int, int, int]]:
+    """(major, minor, inode) of every file-backed mapping of this process, one per mapping line."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and parts[4] != "0":
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                found.append((major, minor, int(parts[4])))
+    return found
