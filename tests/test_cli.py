@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -320,3 +321,33 @@ def test_serve_json_logs_and_sigterm_exits_0(tmp_short: Path) -> None:
     docs = [json.loads(line) for line in rest]  # every line is one JSON object
     assert any(d["message"] == "kvsidecar stopped" for d in docs), rest
     assert not (tmp_short / "control.sock").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["endpoint", "peer-endpoint"])
+def test_serve_exits_with_the_reason_when_its_port_is_taken(tmp_short: Path, which: str) -> None:
+    """A taken port ends `serve` at once with the reason; it used to hang in its shutdown (a
+    socket left open by the failed bind kept the ZeroMQ context from terminating)."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+        result = kvsidecar(
+            "serve",
+            "--runtime-dir",
+            str(tmp_short),
+            "--host-pool-bytes",
+            str(1 << 20),
+            "--metrics-port",
+            "-1",
+            "--insecure",
+            f"--{which}",
+            taken,
+            timeout=60,
+        )
+    finally:
+        holder.close()
+    assert result.returncode not in (EXIT_OK, None), result.stderr
+    what = "peer endpoint" if which == "peer-endpoint" else "control endpoint"
+    assert f"cannot bind the {what} {taken}" in result.stderr, result.stderr

@@ -69,6 +69,7 @@ from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
+from kvsidecar.wire import zmqio
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     Collect,
@@ -225,7 +226,7 @@ class Daemon(Edge, Registration, Commands):
         # Hard ceiling enforced by libzmq itself (the peer is disconnected); below it, oversize
         # requests get a typed too_large reply from `_on_message`.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)
-        sock.bind(cfg.endpoint)
+        zmqio.bind_or_close(sock, cfg.endpoint, "control endpoint")
         if cfg.ipc_path is not None:
             os.chmod(cfg.ipc_path, 0o600)
         self._sock = sock

@@ -60,6 +60,7 @@ from kvsidecar.peer.planes import DataPlane
 from kvsidecar.peer.producer import Producer
 from kvsidecar.peer.pull import check_pull
 from kvsidecar.peer.zmq_plane import ZmqPlane
+from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok, PeerEvents, Publish, Pull, Reply, TakePeerEvents
 from kvsidecar.wire.reports import PeerCompletion
@@ -149,7 +150,7 @@ class PeerService:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        sock.bind(endpoint)
+        zmqio.bind_or_close(sock, endpoint, "peer endpoint")
         self._sock = sock
 
     async def close(self) -> None:

@@ -73,3 +73,16 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool | No
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         sock.send(frame, _MORE if i < last else NOBLOCK, copy=copy)
+
+
+def bind_or_close(sock: zmq.Socket[Any], endpoint: str, what: str) -> None:
+    """Bind ``sock`` to ``endpoint``; on failure close it and raise `SystemExit` naming ``what``.
+
+    A socket left open after a failed bind keeps its context's ``term()`` waiting forever, so a
+    daemon whose port is taken would hang in its shutdown instead of exiting with the reason.
+    """
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise SystemExit(f"kvsidecar: cannot bind the {what} {endpoint}: {exc}") from None
