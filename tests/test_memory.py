@@ -431,6 +431,20 @@ async def test_server_refuses_other_uids(sock_path: Path) -> None:
 # host pool
 
 
+@pytest.mark.parametrize("pages", [1, 2, 3, 16])
+def test_host_pool_the_whole_capacity_fits_at_page_alignment(pages: int) -> None:
+    """A pool sized exactly to its reservations serves them all: the arena starts on a page
+    (torch's 64-byte alignment used to leave the last page-aligned reservation without room)."""
+    for _ in range(8):  # several arenas: the allocator's placement varies
+        pool = HostPool(pages * 4096, pin=False)
+        try:
+            extent = pool.reserve(pages * 4096)
+            assert pool.arena.data_ptr() % 4096 == 0
+            assert extent.nbytes == pages * 4096 and pool.free_bytes == 0
+        finally:
+            pool.close()
+
+
 def test_host_pool_reserve_release_coalesce_exhaust() -> None:
     pool = HostPool(64 * 1024, pin=False)
     assert not pool.pinned and pool.capacity_bytes == 64 * 1024

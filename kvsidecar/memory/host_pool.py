@@ -65,6 +65,10 @@ class Extent:
         return f"<Extent {self.offset}+{self.nbytes} {state}>"
 
 
+_PAGE = 4096
+"""Alignment of the arena's first byte."""
+
+
 class HostPool:
     """One host memory arena of ``capacity_bytes``, carved into `Extent` s.
 
@@ -80,7 +84,11 @@ class HostPool:
             pin = torch.cuda.is_available()
         elif pin and not torch.cuda.is_available():
             raise HandleError("cuda_unavailable", "cannot pin the host pool without CUDA")
-        self._arena: torch.Tensor | None = torch.empty(capacity_bytes, dtype=torch.uint8)
+        # torch's allocator aligns to 64 bytes; a page-aligned start lets a reservation of the
+        # whole capacity at the default 4096-byte alignment fit (and pages map one to one).
+        raw = torch.empty(capacity_bytes + _PAGE - 1, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _PAGE
+        self._arena: torch.Tensor | None = raw[skip : skip + capacity_bytes]
         self._arena.zero_()
         self._base = self._arena.data_ptr()
         self.pinned = False
@@ -129,7 +137,7 @@ class HostPool:
         if align <= 0 or align & (align - 1):
             raise HandleError("bad_request", f"alignment {align} is not a power of two")
         for i, (off, size) in enumerate(zip(self._free_off, self._free_len, strict=True)):
-            # Align the address, not the offset: the arena itself is only 64-byte aligned.
+            # Align the address, not the offset (the arena starts on a page, but larger alignments).
             start = off + (-(self._base + off) % align)
             end = start + nbytes
             if end > off + size:
