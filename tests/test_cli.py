@@ -64,6 +64,19 @@ def tmp_short() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def small_serve(runtime_dir: Path) -> list[str]:
+    """``serve`` of a small daemon in ``runtime_dir``, without a metrics endpoint."""
+    return [
+        "serve",
+        "--runtime-dir",
+        str(runtime_dir),
+        "--host-pool-bytes",
+        str(1 << 20),
+        "--metrics-port",
+        "-1",
+    ]
+
+
 def settings_of(stdout: str) -> dict[str, str]:
     """``check-config`` output (``name = repr``) as a dict of name -> repr."""
     pairs = (line.split(" = ", 1) for line in stdout.splitlines() if " = " in line)
@@ -294,18 +307,7 @@ class Serving:
 
 @pytest.mark.timeout(120)
 def test_serve_json_logs_and_sigterm_exits_0(tmp_short: Path) -> None:
-    args = [
-        "--log-format",
-        "json",
-        "serve",
-        "--runtime-dir",
-        str(tmp_short),
-        "--host-pool-bytes",
-        str(1 << 20),
-        "--metrics-port",
-        "-1",
-    ]
-    served = Serving(*args)
+    served = Serving("--log-format", "json", *small_serve(tmp_short))
     try:
         first = json.loads(served.lines.get(60))
         assert {"ts", "level", "logger", "message"} <= set(first)
@@ -333,19 +335,7 @@ def test_serve_exits_with_the_reason_when_its_port_is_taken(tmp_short: Path, whi
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
         taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
-        result = kvsidecar(
-            "serve",
-            "--runtime-dir",
-            str(tmp_short),
-            "--host-pool-bytes",
-            str(1 << 20),
-            "--metrics-port",
-            "-1",
-            "--insecure",
-            f"--{which}",
-            taken,
-            timeout=60,
-        )
+        result = kvsidecar(*small_serve(tmp_short), "--insecure", f"--{which}", taken)
     finally:
         holder.close()
     assert result.returncode not in (EXIT_OK, None), result.stderr
