@@ -79,13 +79,13 @@ def config_env(config: Config) -> dict[str, str]:
 class DaemonProcess:
     """A ``python -m kvsidecar.daemon`` child with its config and log file."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.log_path = Path(config.runtime_dir) / "daemon.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsidecar.daemon"],
-            env=config_env(config),
+            env={**config_env(config), **(env or {})},
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -120,10 +120,12 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon_process(config: Config | None = None) -> Iterator[DaemonProcess]:
-    """A daemon process serving ``config``; stopped and its runtime dir removed at exit."""
+def daemon_process(
+    config: Config | None = None, env: dict[str, str] | None = None
+) -> Iterator[DaemonProcess]:
+    """A daemon process serving ``config`` (``env``: extra variables); always stopped."""
     config = config or make_config()
-    daemon = DaemonProcess(config)
+    daemon = DaemonProcess(config, env)
     try:
         daemon.wait_ready()
         yield daemon

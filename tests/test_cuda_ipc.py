@@ -31,9 +31,11 @@ from kvsidecar.memory.cuda_ipc import (
     plan_opens,
 )
 from kvsidecar.memory.cuda_sync import check_events
+from kvsidecar.memory.fd_channel import FdChannelClient
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Register, Registered
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, MoveEvents
-from tests.harness import make_config, run_daemon
+from tests.harness import daemon_process, make_config, run_daemon
+from tests.helpers import cuda_engine
 from tests.test_bad_input import raw_call
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,10 +153,12 @@ async def test_daemon_answers_malformed_cuda_handles_with_typed_errors() -> None
         del raw["layers"][0]["handle"]["event_handle"]
         reply = await raw_call(daemon.config.endpoint, [msgspec.msgpack.encode(raw)])
         assert isinstance(reply, Error) and reply.code == "invalid_message", reply
-        # A well-formed handle on this CPU-only daemon: cuda_unavailable, also typed.
+        # A well-formed handle of no real allocation: cuda_unavailable on this CPU-only daemon
+        # (on a GPU: the open fails), typed either way.
         reply = await raw_call(daemon.config.endpoint, [register_frame("ok", [handle()])])
         assert isinstance(reply, Error) and reply.code == "handle_error"
-        assert "cuda_unavailable" in reply.message
+        expected = "bad_handle" if torch.cuda.is_available() else "cuda_unavailable"
+        assert expected in reply.message, reply.message
         assert (await client.status()).engines == []
 
 
@@ -206,7 +210,7 @@ class FakeIpc:
 @pytest.fixture
 async def fake_daemon() -> object:
     fake = FakeIpc([GPU0, GPU1])
-    async with run_daemon(make_config()) as daemon:
+    async with run_daemon(make_config(lease_s=60.0)) as daemon:  # no release by lease here
         daemon.cuda_backend = fake
         yield daemon, fake
 
@@ -260,6 +264,28 @@ async def test_unseen_gpu_and_failed_opens_leave_no_count_behind(
     assert sorted(fake.freed + fake.given_back) == [1, 2, 3]
 
 
+async def test_gpu_worker_released_when_its_process_goes(
+    fake_daemon: tuple[Daemon, FakeIpc],
+) -> None:
+    """A registration of GPU memory sends a token without fds: its channel's end releases it."""
+    daemon, fake = fake_daemon
+    channel = FdChannelClient(daemon.config.fd_socket)
+    (token,) = channel.send_all([])
+    req = msgspec.msgpack.decode(register_frame("g", [handle(), handle(offset=LAYER)]))
+    req["fd_token"] = token
+    reply = await raw_call(daemon.config.endpoint, [msgspec.msgpack.encode(req)])
+    assert isinstance(reply, Registered), reply
+    assert fake.opened == [(0, 0)]
+    channel.close()  # the worker process is gone
+    for _ in range(50):
+        gc.collect()
+        if fake.freed:
+            break
+        await asyncio.sleep(0.02)
+    assert fake.freed == [4]  # released now, not at the end of its lease (config.lease_s)
+    assert "g" not in daemon.registry.engines
+
+
 # --- per-move events on the wire --------------------------------------------------------------
 
 
@@ -308,7 +334,8 @@ async def test_events_go_with_gpu_moves_only_and_cpu_memory_refuses_them() -> No
         run_daemon(make_config()) as daemon,
         AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as client,
     ):
-        assert set(client.daemon.capabilities) == {"cuda_events", "fd_tokens"}  # no GPU here
+        vmm = {"cuda_vmm"} if torch.cuda.is_available() else set()
+        assert set(client.daemon.capabilities) == {"cuda_events", "fd_tokens", *vmm}
         reg = await client.register_kv_caches(
             {"l0": caches[0], "l1": caches[1]}, engine_id="c", host_blocks=4
         )
@@ -328,3 +355,20 @@ async def test_events_go_with_gpu_moves_only_and_cpu_memory_refuses_them() -> No
         assert info.value.code == "invalid_message" and "CPU memory" in info.value.message
         assert sync.calls == ["before"]  # `after` only on success
         assert all(torch.equal(now, was) for now, was in zip(caches, before, strict=True))
+
+
+# --- the GPU checks' own logic, on shared CPU memory --------------------------------------------
+
+
+def test_engine_roundtrip_check_logic_on_cpu() -> None:
+    """tests/helpers/cuda_engine.py's roundtrip (run on GPUs by test_gpu.py and gpu_check.sh)
+    passes on CPU memory and fails when a block is wrong, so a GPU verdict means something."""
+    cpu = torch.device("cpu")
+    with daemon_process(make_config(host_pool_bytes=16 << 20)) as daemon:
+        result = cuda_engine.roundtrip(daemon.config.endpoint, cpu)
+        assert result["ok"], result
+        assert result["kinds"] == ["shm"]
+    a, b = cuda_engine.make_cache(cpu), cuda_engine.make_cache(cpu, hnd=True)
+    a[1][:, 4] = 1.0
+    assert cuda_engine.compare(b, [2], a, [4]) and not cuda_engine.compare(b, [2], a, [3])
+    assert cuda_engine.untouched(a, set()) and not cuda_engine.untouched(a, {4})

@@ -141,17 +141,16 @@ class _Requests(_Base):
             shape_order=reg.shape_order,
             capabilities=capabilities,
         )
-        tokens: list[bytes] = []
-        if sources:
-            if len(sources) > MAX_FDS and "fd_tokens" not in capabilities:
-                raise SidecarError(
-                    "handle_error",
-                    f"{len(sources)} fds to send, and this daemon takes at most {MAX_FDS}",
-                )
-            if self._fd_channel is None:
-                # Kept open for the worker's life: its closing tells the daemon we are gone.
-                self._fd_channel = FdChannelClient(self.daemon.fd_socket, timeout=self.timeout_s)
-            tokens = self._fd_channel.send_all(sources)
+        if len(sources) > MAX_FDS and "fd_tokens" not in capabilities:
+            raise SidecarError(
+                "handle_error", f"{len(sources)} fds to send, and this daemon takes at most {MAX_FDS}"
+            )
+        if self._fd_channel is None:
+            # Kept open for the worker's life: its closing tells the daemon we are gone. Also
+            # for GPU memory (no fds to send): the daemon then releases a dead worker's mappings,
+            # and with them its GPU memory, at once instead of at its lease's end.
+            self._fd_channel = FdChannelClient(self.daemon.fd_socket, timeout=self.timeout_s)
+        tokens = self._fd_channel.send_all(sources)
         return Register(
             id=self._codec.next_id(),
             protocol_version=PROTOCOL_VERSION,
@@ -162,7 +161,7 @@ class _Requests(_Base):
             model_hash=reg.model_hash,
             layers=specs,
             host_blocks=reg.host_blocks,
-            fd_token=tokens[0] if tokens else b"",
+            fd_token=tokens[0],
             fd_tokens=tokens[1:],
         )
 

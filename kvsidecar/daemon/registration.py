@@ -211,7 +211,9 @@ class Registration:
         handles = [s.handle for s in req.layers]
         fds: list[int] = []
         conn_id: Hashable | None = None
-        if any(isinstance(h, (ShmRef, CudaVmmRef)) for h in handles):
+        # A token binds the registration to its fd channel connection (whose end releases the
+        # worker), also when it carries no fds (GPU memory); shm and VMM handles need one.
+        if req.fd_token or any(isinstance(h, (ShmRef, CudaVmmRef)) for h in handles):
             conn_id, fds = await self._take_fds(req)
         opening = asyncio.get_running_loop().run_in_executor(
             None, functools.partial(open_handles, handles, fds, cuda_backend=self.cuda_backend)

@@ -194,10 +194,12 @@ class FdChannelClient:
         """Send any number of fds, `MAX_FDS` per message; returns the tokens, in order.
 
         Each batch's exported fds are made just before it goes and closed right after, so a
-        worker holds at most `MAX_FDS` of them whatever the total (see `FdSource`).
+        worker holds at most `MAX_FDS` of them whatever the total (see `FdSource`). No fds at
+        all still sends one message: it ties the registration to this connection, whose end
+        tells the daemon the worker is gone.
         """
         tokens = []
-        for start in range(0, len(sources), MAX_FDS):
+        for start in range(0, max(len(sources), 1), MAX_FDS):
             fds, owned = materialize(sources[start : start + MAX_FDS])
             try:
                 token = new_token()
