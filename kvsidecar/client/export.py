@@ -83,6 +83,7 @@ def _split_gpu(
     for i in gpu:
         ptr = tensors[i].untyped_storage().data_ptr()
         if ptr not in how:
+            drv.use_device(tensors[i].device.index or 0)  # the driver asks this thread's context
             legacy = drv.legacy_ipc_capable(ptr)
             how[ptr] = choose_export(
                 legacy_capable=legacy,

@@ -143,7 +143,7 @@ class _Requests(_Base):
         )
         if len(sources) > MAX_FDS and "fd_tokens" not in capabilities:
             raise SidecarError(
-                "handle_error", f"{len(sources)} fds to send, and this daemon takes at most {MAX_FDS}"
+                "handle_error", f"{len(sources)} fds to send; this daemon takes at most {MAX_FDS}"
             )
         if self._fd_channel is None:
             # Kept open for the worker's life: its closing tells the daemon we are gone. Also

@@ -101,8 +101,10 @@ def canonical_uuid(text: str) -> str:
 def device_uuid(index: int) -> str:
     """Return the UUID of this process's CUDA device ``index`` (`canonical_uuid` form)."""
     raw: Any = torch.cuda.get_device_properties(index).uuid
+    # torch gives the 16 bytes as a list of ints (also for MIG instances, whose text form is
+    # not a GPU UUID); its text form is the fallback.
     data = getattr(raw, "bytes", None)
-    if isinstance(data, (bytes, bytearray)) and len(data) == 16:
+    if data is not None and len(data) == 16:
         return canonical_uuid(bytes(data).hex())
     return canonical_uuid(str(raw))
 
