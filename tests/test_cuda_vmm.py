@@ -118,6 +118,7 @@ def test_materialize_closes_what_it_made_when_an_export_fails() -> None:
     fds, owned = materialize([5, export, 7])
     assert fds == [5, made[0], 7] and owned == [made[0]]
     os.close(made[0])
+    gc.collect()
     n0 = fd_count()
     with pytest.raises(HandleError):
         materialize([export, export, broken])
@@ -207,6 +208,7 @@ async def test_vmm_export_fd_channel_import_map_and_release(
     assert handles[0].chunk_nbytes == [CHUNK] * 3 and handles[3].chunk_nbytes == [CHUNK]
     assert [h.offset for h in handles] == [100, 1100, 5100, 64]
     assert stats(lib)["retained"] == 0  # nothing exported yet: fds are made as they are sent
+    gc.collect()  # garbage of earlier tests must not close fds in the middle of the count
     n_before = fd_count()
     async with FdChannelServer(tmp_path / "fd.sock") as server:
         with FdChannelClient(tmp_path / "fd.sock") as client:
@@ -306,6 +308,7 @@ async def test_registration_with_more_fds_than_one_message() -> None:
     async with run_daemon(make_config()) as daemon:
         async with AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as client:
             await client.status()
+            gc.collect()
             n0 = fd_count()
             reg = await client.register_kv_caches(
                 {f"l{i}": t for i, t in enumerate(tensors)}, engine_id="many"
