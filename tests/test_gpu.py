@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -150,4 +149,3 @@ def test_gpu_pinned_host_pool() -> None:
         extent.close()
     finally:
         pool.close()
-    assert os.environ.get("CUDA_VISIBLE_DEVICES", "x") != ""  # it ran on a GPU
