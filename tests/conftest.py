@@ -13,6 +13,7 @@ except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
     uvloop = None
 
 
+@pytest.hookimpl(optionalhook=True)  # the -m gpu tests also run where pytest-asyncio is not
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], Any]]:

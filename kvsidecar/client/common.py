@@ -18,6 +18,8 @@ import zmq
 
 from kvsidecar.client.codec import _Codec
 from kvsidecar.core import layout
+from kvsidecar.memory.cuda_ipc import device_uuid
+from kvsidecar.memory.cuda_sync import MoveSync, Sync, SyncBeforeSend
 from kvsidecar.memory.fd_channel import FdChannelClient
 from kvsidecar.wire.curve import KeyPair, client_keys_from_env, secure_client_socket
 from kvsidecar.wire.endpoints import default_endpoint
@@ -101,6 +103,11 @@ class _Base:
         """Set when the daemon went away (fd channel EOF); the next call reconnects first."""
         self.reconnects = 0
         """Completed reconnections (daemon restarts survived)."""
+        # --- GPU memory: how moves on it are ordered against the caller's stream ---
+        self._cuda_syncs: dict[WorkerRef, Sync] = {}
+        """Per worker registered here with CUDA tensors: its GPU's `Sync`."""
+        self._device_syncs: dict[tuple[torch.device, bool], Sync] = {}
+        """One `Sync` per GPU (and kind), made once: its events live as long as the client."""
 
     @property
     def worker(self) -> WorkerRef:
@@ -155,6 +162,39 @@ class _Base:
         self._close_fd_channel()
         self.workers.clear()
         self.epochs.clear()
+        self._cuda_syncs.clear()
+
+    # --- GPU memory: ordering moves against the caller's CUDA stream ---
+
+    def _track_gpu(self, reg: _Registration, worker: WorkerRef) -> None:
+        """Remember the GPU of a worker registered with CUDA tensors (see `_gpu_sync`)."""
+        device = next((t.device for t in reg.kv_caches.values() if t.is_cuda), None)
+        if device is None:
+            self._cuda_syncs.pop(worker, None)
+            return
+        events = self.daemon is not None and "cuda_events" in self.daemon.capabilities
+        key = (device, events)
+        sync = self._device_syncs.get(key)
+        if sync is None:
+            sync = MoveSync(device, device_uuid(device.index or 0)) if events else None
+            sync = sync or SyncBeforeSend(device)
+            self._device_syncs[key] = sync
+        self._cuda_syncs[worker] = sync
+
+    def _gpu_sync(self, src: BufferSetRef, dst: BufferSetRef) -> Sync | None:
+        """Return the `Sync` of a move touching GPU memory registered here (None: it does not).
+
+        A move between two of this client's GPUs sends the events of the first; the other
+        GPU's stream is synchronised before sending.
+        """
+        found = [
+            sync
+            for ref in (src, dst)
+            if ref.medium == "device" and (sync := self._cuda_syncs.get(ref.worker)) is not None
+        ]
+        if len(found) == 2 and found[0] is not found[1]:
+            SyncBeforeSend(found[1].device).before()
+        return found[0] if found else None
 
     def _start_reconnect(self, timeout: float | None) -> _Backoff:
         """Begin ``reconnect``: drop the dead daemon's fd channel and start the clock.

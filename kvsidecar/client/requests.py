@@ -20,7 +20,8 @@ import numpy as np
 from kvsidecar.client.codec import Ids, R, T, _as_id_array, _dtype_of
 from kvsidecar.client.common import _Base, _Registration
 from kvsidecar.client.export import export_layers
-from kvsidecar.memory.fd_channel import FdChannelClient, new_token
+from kvsidecar.memory.cuda_sync import Sync
+from kvsidecar.memory.fd_channel import MAX_FDS, FdChannelClient
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids
 from kvsidecar.wire.protocol import (
@@ -74,6 +75,16 @@ def _reply(reply: R, frames: list[memoryview]) -> R:
     return reply
 
 
+def _then(sync: Sync) -> Callable[[Moved, list[memoryview]], Moved]:
+    """Make a move's finish that has the caller's stream wait for the daemon's copy."""
+
+    def finish(reply: Moved, frames: list[memoryview]) -> Moved:
+        sync.after()
+        return reply
+
+    return finish
+
+
 def _nothing(reply: Reply, frames: list[memoryview]) -> None:
     return None
 
@@ -120,21 +131,26 @@ class _Requests(_Base):
 
     def _prepare_register(self, reg: _Registration) -> Register:
         """Export the tensors, send their fds on the fd channel, build the Register request."""
-        specs, fds = export_layers(
+        if self.daemon is None:
+            raise SidecarError("internal", "hello() must come first")
+        capabilities = self.daemon.capabilities
+        specs, sources = export_layers(
             reg.kv_caches,
             arrangement=reg.arrangement,
             memory_order=reg.memory_order,
             shape_order=reg.shape_order,
+            capabilities=capabilities,
         )
-        token = b""
-        if fds:
-            if self.daemon is None:
-                raise SidecarError("internal", "hello() must come first")
-            if self._fd_channel is None:
-                # Kept open for the worker's life: its closing tells the daemon we are gone.
-                self._fd_channel = FdChannelClient(self.daemon.fd_socket, timeout=self.timeout_s)
-            token = new_token()
-            self._fd_channel.send(token, fds)
+        if len(sources) > MAX_FDS and "fd_tokens" not in capabilities:
+            raise SidecarError(
+                "handle_error", f"{len(sources)} fds to send; this daemon takes at most {MAX_FDS}"
+            )
+        if self._fd_channel is None:
+            # Kept open for the worker's life: its closing tells the daemon we are gone. Also
+            # for GPU memory (no fds to send): the daemon then releases a dead worker's mappings,
+            # and with them its GPU memory, at once instead of at its lease's end.
+            self._fd_channel = FdChannelClient(self.daemon.fd_socket, timeout=self.timeout_s)
+        tokens = self._fd_channel.send_all(sources)
         return Register(
             id=self._codec.next_id(),
             protocol_version=PROTOCOL_VERSION,
@@ -145,7 +161,8 @@ class _Requests(_Base):
             model_hash=reg.model_hash,
             layers=specs,
             host_blocks=reg.host_blocks,
-            fd_token=token,
+            fd_token=tokens[0],
+            fd_tokens=tokens[1:],
         )
 
     def _register(
@@ -160,6 +177,7 @@ class _Requests(_Base):
         def finish(reply: Registered, frames: list[memoryview]) -> Registered:
             if remember:
                 self._registrations.append(reg)
+            self._track_gpu(reg, reply.worker)
             return self._registered(reply)
 
         return _Call(req, Registered, finish, timeout=timeout)
@@ -181,6 +199,7 @@ class _Requests(_Base):
         req = Unregister(id=self._codec.next_id(), worker=ref, epoch=self.epochs.get(ref, 0))
 
         def finish(reply: Ok, frames: list[memoryview]) -> None:
+            self._cuda_syncs.pop(ref, None)
             if ref in self.workers:
                 self.workers.remove(ref)
             self._registrations = [r for r in self._registrations if r.worker != ref]
@@ -222,6 +241,8 @@ class _Requests(_Base):
         s, d = _as_id_array(src_ids), _as_id_array(dst_ids)
         if s.dtype != d.dtype:
             s, d = s.astype(np.int64), d.astype(np.int64)
+        # GPU memory of this client's workers: order the move against the caller's stream.
+        sync = self._gpu_sync(src, dst) if self._cuda_syncs else None
         req = Move(
             id=self._codec.next_id(),
             src=self._stamp(src),
@@ -229,8 +250,9 @@ class _Requests(_Base):
             layers=layers,
             ids_dtype=_dtype_of(s),
             request_ids=list(request_ids),
+            events=None if sync is None else sync.before(),
         )
-        return _Call(req, Moved, _reply, (s, d), timeout)
+        return _Call(req, Moved, _reply if sync is None else _then(sync), (s, d), timeout)
 
     def _fix(
         self,

@@ -24,10 +24,12 @@ import torch
 from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
+from kvsidecar.memory import cuda_ipc, cuda_sync
+from kvsidecar.memory.base import HandleError
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import FixLayout, Move
-from kvsidecar.wire.types import BufferDescriptor, MemoryOrder
+from kvsidecar.wire.types import BufferDescriptor, MemoryOrder, MoveEvents
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ class _PairPlan:
     copies through these, small ones with `copier.copy_small`, larger with `copier.copy_groups`."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
+    cuda_devices: tuple[int, ...]
+    """The CUDA devices whose memory the move touches (empty: a CPU move)."""
 
 
 _MAX_PLANS = 256
@@ -197,6 +201,9 @@ def _pair_plan(
         cpu_groups=copier.cpu_groups(src_views, dst_views) if ratio == 1 else None,
         src_views=src_views,
         dst_views=dst_views,
+        cuda_devices=tuple(
+            sorted({v.device.index or 0 for v in (*src_views, *dst_views) if v.is_cuda})
+        ),
     )
     if len(registry.derived) >= _MAX_PLANS:
         registry.derived.clear()
@@ -274,12 +281,45 @@ def prepare_move(
     return Job(
         reads={src.key: src_ids},
         writes={dst.key: dst_ids},
-        run=run,
+        run=_on_copy_streams(run, pair.cuda_devices, cmd.events),
         blocks=int(dst_ids.size),
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
         verification=verification,
     )
+
+
+def _on_copy_streams(
+    run: Callable[[], int], devices: tuple[int, ...], events: MoveEvents | None
+) -> Callable[[], int]:
+    """Run a CUDA move on the copy thread's own streams, ordered by the caller's events.
+
+    Checked here, on the loop: the event handles' sizes and that their GPU is one the move
+    touches (`cuda_sync.ordered` records ``done`` on that GPU's stream). A CPU move (no
+    ``devices``) runs as it is.
+    """
+    if not devices:
+        if events is not None:
+            raise SidecarError("invalid_message", "a move of CPU memory takes no CUDA events")
+        return run
+    event_device: int | None = None
+    if events is not None:
+        try:
+            cuda_sync.check_events(events)
+            event_device = cuda_ipc.local_index(events.device_uuid, cuda_ipc.visible_device_uuids())
+        except HandleError as exc:
+            raise SidecarError("invalid_message", f"move events: {exc}") from None
+        if event_device not in devices:
+            raise SidecarError(
+                "invalid_message",
+                f"move events are of GPU {events.device_uuid}, which the move does not touch",
+            )
+
+    def ordered_run() -> int:
+        with cuda_sync.ordered(devices, events, event_device):
+            return run()
+
+    return ordered_run
 
 
 def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
@@ -309,10 +349,12 @@ def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
         fix_layers([(lb, remote) for lb in layers], index, ratio)
         return 0
 
+    devices = tuple(sorted({lb.cache.device.index or 0 for lb in layers if lb.cache.is_cuda}))
+
     return Job(
         reads={},
         writes={target.key: ids},
-        run=run,
+        run=_on_copy_streams(run, devices, None),
         blocks=int(ids.size),
         fixed=True,
         workers=frozenset({target.key[0]}),

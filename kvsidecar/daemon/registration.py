@@ -12,6 +12,7 @@ A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from collections.abc import Coroutine, Hashable
 from typing import Any
 
 import msgspec
+import torch
 
 from kvsidecar import __version__
 from kvsidecar.core import layout
@@ -28,11 +30,12 @@ from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.observability import Observability
 from kvsidecar.daemon.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
+from kvsidecar.memory import cuda_driver, open_handles
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
-from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
+from kvsidecar.memory.cuda_ipc import IpcBackend
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
-from kvsidecar.memory.shm import ShmHandle, open_shm_all
+from kvsidecar.memory.shm import open_shm_all
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,
@@ -46,7 +49,7 @@ from kvsidecar.wire.protocol import (
     Reply,
     Unregister,
 )
-from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, ShmRef, WorkerRef
+from kvsidecar.wire.types import BufferDescriptor, CudaVmmRef, ShmRef, WorkerRef
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 
@@ -66,6 +69,10 @@ class Registration:
     _tasks: set[asyncio.Task[Any]]
     _jobs: dict[asyncio.Future[Any], frozenset[Hashable]]
     _epochs: itertools.count[int]
+    capabilities: tuple[str, ...] = ()
+    """What `_hello` announces; set at start-up from `daemon_capabilities`."""
+    cuda_backend: IpcBackend | None = None
+    """How CUDA IPC handles are opened (None: torch's); tests without a GPU set their own."""
 
     def _hello(self, req: Hello) -> HelloReply:
         cfg = self.config
@@ -78,6 +85,7 @@ class Registration:
             max_message_bytes=cfg.max_message_bytes,
             max_ids_per_command=cfg.max_ids_per_command,
             metrics_port=self.observability.port,
+            capabilities=list(self.capabilities),
         )
 
     def _heartbeat(self, req: Heartbeat) -> Ok:
@@ -195,17 +203,40 @@ class Registration:
             )
 
     async def _map_layers(self, req: Register) -> tuple[list[MappedBuffer], Hashable | None]:
-        """Map every layer's memory; all or nothing. Returns the buffers and the fd connection."""
-        shm = [(i, s.handle) for i, s in enumerate(req.layers) if isinstance(s.handle, ShmRef)]
-        out: list[MappedBuffer | None] = [None] * len(req.layers)
+        """Map every layer's memory; all or nothing. Returns the buffers and the fd connection.
+
+        The mapping runs on a helper thread: CUDA initialisation and IPC opens block for
+        milliseconds to seconds, and the loop keeps serving everyone else meanwhile.
+        """
+        handles = [s.handle for s in req.layers]
+        fds: list[int] = []
         conn_id: Hashable | None = None
+        # A token binds the registration to its fd channel connection (whose end releases the
+        # worker), also when it carries no fds (GPU memory); shm and VMM handles need one.
+        if req.fd_token or any(isinstance(h, (ShmRef, CudaVmmRef)) for h in handles):
+            conn_id, fds = await self._take_fds(req)
+        opening = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(open_handles, handles, fds, cuda_backend=self.cuda_backend)
+        )
         try:
-            if shm:
-                assert self._fd_server is not None
-                if not req.fd_token:
-                    raise SidecarError("handle_error", "shm layers need an fd_token")
+            return await asyncio.shield(opening), conn_id
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)  # the thread finishes; then close its work
+            raise
+        except HandleError as exc:
+            raise SidecarError("handle_error", str(exc)) from None
+
+    async def _take_fds(self, req: Register) -> tuple[Hashable, list[int]]:
+        """Collect the fds sent under the registration's tokens, in order (the caller owns them)."""
+        assert self._fd_server is not None
+        if not req.fd_token:
+            raise SidecarError("handle_error", "shm and cuda_vmm layers need an fd_token")
+        fds: list[int] = []
+        conns: set[Hashable] = set()
+        try:
+            for token in (req.fd_token, *req.fd_tokens):
                 try:
-                    conn, fds = await self._fd_server.take(req.fd_token, self.config.fd_wait_s)
+                    conn, got = await self._fd_server.take(token, self.config.fd_wait_s)
                 except (TimeoutError, asyncio.TimeoutError):
                     raise SidecarError(
                         "handle_error",
@@ -213,27 +244,14 @@ class Registration:
                     ) from None
                 except HandleError as exc:
                     raise SidecarError("handle_error", str(exc)) from None
-                conn_id = conn.id
-                handles = [
-                    ShmHandle(h.fd_index, h.storage_nbytes, h.offset, h.nbytes)
-                    for _, h in shm
-                    if isinstance(h, ShmRef)
-                ]
-                try:
-                    mapped = open_shm_all(fds, handles)  # takes ownership of the fds
-                except HandleError as exc:
-                    raise SidecarError("handle_error", str(exc)) from None
-                for (i, _), buf in zip(shm, mapped, strict=True):
-                    out[i] = buf
-            for i, spec in enumerate(req.layers):
-                if isinstance(spec.handle, CudaIpcRef):
-                    out[i] = _open_cuda(spec.handle)
+                fds += got
+                conns.add(conn.id)
+            if len(conns) != 1:
+                raise SidecarError("handle_error", "a registration's fds came on several channels")
         except BaseException:
-            for opened in out:
-                if opened is not None:
-                    opened.close()
+            open_shm_all(fds, [])  # closes them
             raise
-        return [b for b in out if b is not None], conn_id
+        return conns.pop(), fds
 
     def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
         """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
@@ -357,10 +375,21 @@ def _check_identity(req: Register) -> None:
         raise SidecarError("incompatible_buffers", "every layer must have the same num_blocks")
 
 
-def _open_cuda(ref: CudaIpcRef) -> MappedBuffer:
-    """Open a CUDA IPC handle (``handle_error`` where CUDA is missing or the handle is bad)."""
-    handle = CudaIpcHandle(**msgspec.structs.asdict(ref))
-    try:
-        return open_cuda_ipc(handle)
-    except HandleError as exc:
-        raise SidecarError("handle_error", str(exc)) from None
+def _close_opened(opening: asyncio.Future[list[MappedBuffer]]) -> None:
+    """Close what a registration abandoned (cancelled) while its thread was still mapping."""
+    if not opening.cancelled() and opening.exception() is None:
+        for buf in opening.result():
+            buf.close()
+
+
+def daemon_capabilities() -> tuple[str, ...]:
+    """Return what this daemon announces in `HelloReply.capabilities` (checked at start-up)."""
+    found = ["cuda_events", "fd_tokens"]
+    if torch.cuda.is_available():
+        try:
+            cuda_driver.driver()
+        except HandleError as exc:
+            log.info("no cuda_vmm: %s", exc)
+        else:
+            found.append("cuda_vmm")
+    return tuple(sorted(found))

@@ -63,7 +63,7 @@ from kvsidecar.daemon.jobs import prepare_fix
 from kvsidecar.daemon.metrics_server import Readiness
 from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
-from kvsidecar.daemon.registration import Registration, _check_version
+from kvsidecar.daemon.registration import Registration, _check_version, daemon_capabilities
 from kvsidecar.daemon.registry import Registry, check_epoch
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
@@ -209,6 +209,7 @@ class Daemon(Edge, Registration, Commands):
         if cfg.host_pool_bytes > 0:
             # Allocated and touched up front: first touch is several times slower than a copy.
             self._pool = HostPool(cfg.host_pool_bytes)
+        self.capabilities = daemon_capabilities()
         self._executor = CopyExecutor(cfg.copy_threads)
         self._fd_server = FdChannelServer(
             cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids

@@ -1,7 +1,9 @@
 """Buffer handles: how a worker's KV cache (or the daemon's host pool) becomes a `MappedBuffer`.
 
 A worker exports its tensors as handles (`ShmHandle` for CPU shared memory, whose fds go over the
-fd channel; `CudaIpcHandle` for GPU memory) that travel inside the registration message. The
+fd channel; `CudaIpcHandle` for GPU memory that legacy CUDA IPC shares; `CudaVmmHandle` for GPU
+memory from ``cuMemCreate``, whose fds also go over the fd channel) that travel inside the
+registration message. The
 daemon opens them by kind with `open_handles` and from then on only sees flat byte views. The
 daemon's own host memory comes from `HostPool` and is a `MappedBuffer` of kind ``"host_pool"``.
 """
@@ -19,11 +21,13 @@ from kvsidecar.memory.base import (
 )
 from kvsidecar.memory.cuda_ipc import (
     CudaIpcHandle,
+    IpcBackend,
     export_cuda_tensor,
     export_cuda_tensors,
     open_cuda_ipc,
     open_cuda_ipc_all,
 )
+from kvsidecar.memory.cuda_vmm import CudaVmmHandle, open_cuda_vmm_all
 from kvsidecar.memory.fd_channel import (
     MAX_FDS,
     FdChannelClient,
@@ -46,7 +50,7 @@ from kvsidecar.memory.shm import (
     open_shm_all,
 )
 
-BufferHandle = ShmHandle | CudaIpcHandle
+BufferHandle = ShmHandle | CudaIpcHandle | CudaVmmHandle
 """Any handle a worker can send; a tagged union on the wire (tag field ``kind``)."""
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "BufferHandle",
     "BufferKind",
     "CudaIpcHandle",
+    "CudaVmmHandle",
     "Extent",
     "FdChannelClient",
     "FdChannelServer",
@@ -62,6 +67,7 @@ __all__ = [
     "HandleError",
     "HandleErrorCode",
     "HostPool",
+    "IpcBackend",
     "MappedBuffer",
     "PeerCred",
     "ShmHandle",
@@ -86,24 +92,43 @@ __all__ = [
 ]
 
 
-def open_handles(handles: Sequence[BufferHandle], fds: Sequence[int] = ()) -> list[MappedBuffer]:
+def open_handles(
+    handles: Sequence[BufferHandle],
+    fds: Sequence[int] = (),
+    *,
+    cuda_backend: IpcBackend | None = None,
+) -> list[MappedBuffer]:
     """Open a registration's handles by kind; one buffer per handle, in order.
 
-    ``fds`` are the fds received under the registration's token; ownership passes here and every
+    ``fds`` are the fds received under the registration's tokens; ownership passes here and every
     one of them is closed before returning, also on error. Each shared storage is mapped once.
-    On error nothing stays open.
+    On error nothing stays open. Blocking (mapping; CUDA initialisation and IPC opens): the
+    daemon calls it off its event loop. ``cuda_backend``: see `IpcBackend` (default torch's).
     """
     shm = [h for h in handles if isinstance(h, ShmHandle)]
     cuda = [h for h in handles if isinstance(h, CudaIpcHandle)]
-    shm_buffers = open_shm_all(fds, shm)
+    vmm = [h for h in handles if isinstance(h, CudaVmmHandle)]
     try:
-        cuda_buffers = open_cuda_ipc_all(cuda) if cuda else []
+        # VMM chunks only borrow their fds; open_shm_all below closes every fd it is given.
+        vmm_buffers = open_cuda_vmm_all(vmm, fds) if vmm else []
     except BaseException:
-        for b in shm_buffers:
+        open_shm_all(fds, [])
+        raise
+    opened: list[MappedBuffer] = list(vmm_buffers)
+    try:
+        shm_buffers = open_shm_all(fds, shm)
+        opened += shm_buffers
+        cuda_buffers = open_cuda_ipc_all(cuda, cuda_backend) if cuda else []
+    except BaseException:
+        for b in opened:
             b.close()
         raise
-    shm_iter, cuda_iter = iter(shm_buffers), iter(cuda_buffers)
-    return [next(shm_iter if isinstance(h, ShmHandle) else cuda_iter) for h in handles]
+    by_kind = {
+        "shm": iter(shm_buffers),
+        "cuda_ipc": iter(cuda_buffers),
+        "cuda_vmm": iter(vmm_buffers),
+    }
+    return [next(by_kind[h.kind]) for h in handles]
 
 
 def open_handle(handle: BufferHandle, fd: int | None = None) -> MappedBuffer:
@@ -117,3 +142,6 @@ def open_handle(handle: BufferHandle, fd: int | None = None) -> MappedBuffer:
             if fd is not None:
                 raise HandleError("bad_handle", "a cuda_ipc handle takes no fd")
             return open_cuda_ipc(handle)
+        case CudaVmmHandle():
+            fds = [] if fd is None else [fd]
+            return open_handles([handle], fds)[0]

@@ -12,7 +12,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-BufferKind = Literal["shm", "cuda_ipc", "host_pool"]
+BufferKind = Literal["shm", "cuda_ipc", "cuda_vmm", "host_pool"]
 """Where the bytes of a `MappedBuffer` live."""
 
 HandleErrorCode = Literal[
@@ -26,6 +26,9 @@ HandleErrorCode = Literal[
     "bad_request",
     "closed",
     "protocol",
+    "device_not_visible",
+    "not_shareable",
+    "cuda_error",
 ]
 """Typed reasons a handle could not be made, opened, or a pool request could not be served."""
 
@@ -63,7 +66,7 @@ class MappedBuffer(Protocol):
 
     @property
     def kind(self) -> BufferKind:
-        """Where the bytes live: ``"shm"``, ``"cuda_ipc"`` or ``"host_pool"``."""
+        """Where the bytes live: ``"shm"``, ``"cuda_ipc"``, ``"cuda_vmm"`` or ``"host_pool"``."""
         ...
 
     @property

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
@@ -33,8 +34,11 @@ __all__ = [
     "FdChannelClient",
     "FdChannelServer",
     "FdConnection",
+    "FdSource",
     "PeerCred",
+    "materialize",
     "new_token",
+    "raise_fd_limit",
     "recv_fds",
     "send_fds",
 ]
@@ -47,6 +51,45 @@ MAX_FDS = 253
 """Most fds one message can carry (the kernel's SCM_MAX_FD)."""
 _MAX_PENDING = 1024
 """Unclaimed deliveries kept per connection before it is treated as misbehaving."""
+
+
+FdSource = int | Callable[[], int]
+"""An fd to send: a borrowed fd (an shm storage's: the sender never closes it), or a call that
+exports a new one (a CUDA VMM chunk's: owned, closed once sent)."""
+
+
+def materialize(batch: Sequence[FdSource]) -> tuple[list[int], list[int]]:
+    """Turn `FdSource` s into fds: ``(every fd in order, the new ones to close once sent)``.
+
+    If an export fails, the fds made so far are closed before the error goes on.
+    """
+    fds: list[int] = []
+    owned: list[int] = []
+    try:
+        for source in batch:
+            if isinstance(source, int):
+                fds.append(source)
+            else:
+                fd = source()
+                owned.append(fd)
+                fds.append(fd)
+    except BaseException:
+        _close_all(owned)
+        raise
+    return fds, owned
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open fds to its hard limit; returns the new limit.
+
+    A registration may carry thousands of fds (one per CUDA VMM chunk) that the daemon holds
+    until it maps them; the usual soft limit of 1024 would refuse them (``EMFILE``).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def new_token() -> bytes:
@@ -147,6 +190,25 @@ class FdChannelClient:
         """Send ``fds`` under ``token`` (the same token goes into the ZMQ registration)."""
         send_fds(self._sock, token, fds)
 
+    def send_all(self, sources: Sequence[FdSource]) -> list[bytes]:
+        """Send any number of fds, `MAX_FDS` per message; returns the tokens, in order.
+
+        Each batch's exported fds are made just before it goes and closed right after, so a
+        worker holds at most `MAX_FDS` of them whatever the total (see `FdSource`). No fds at
+        all still sends one message: it ties the registration to this connection, whose end
+        tells the daemon the worker is gone.
+        """
+        tokens = []
+        for start in range(0, max(len(sources), 1), MAX_FDS):
+            fds, owned = materialize(sources[start : start + MAX_FDS])
+            try:
+                token = new_token()
+                self.send(token, fds)
+            finally:
+                _close_all(owned)
+            tokens.append(token)
+        return tokens
+
     def peer_closed(self) -> bool:
         """Return True if the daemon closed its end (it never writes, so readable means EOF)."""
         try:
@@ -237,6 +299,7 @@ class FdChannelServer:
         """Bind and listen; a stale socket file at ``path`` (from a dead daemon) is replaced."""
         if self._listener is not None:
             return
+        raise_fd_limit()
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(self.path.lstat().st_mode):
                 self.path.unlink()

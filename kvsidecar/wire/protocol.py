@@ -24,6 +24,7 @@ from kvsidecar.wire.types import (
     LayerSpec,
     LayoutSpec,
     Medium,
+    MoveEvents,
     WorkerRef,
 )
 
@@ -73,6 +74,10 @@ class Register(_Request, tag="register", frozen=True):
     host_blocks: int = 0
     fd_token: bytes = b""
     """Token of the fd-channel message that carried the fds of the ``shm`` layers."""
+    fd_tokens: list[bytes] = []
+    """Tokens of further fd-channel messages, when the fds do not fit one (253 at most): their
+    fds continue the list that ``fd_token`` starts, in this order (``fd_index`` counts across
+    all of them)."""
 
 
 class Unregister(_Request, tag="unregister", frozen=True):
@@ -131,6 +136,9 @@ class Move(_Request, tag="move", frozen=True):
     checksum: bool | None = None
     """Verify the copy end to end with a checksum (docs/reliability.md); None: the daemon's
     ``checksum`` setting."""
+    events: MoveEvents | None = None
+    """CUDA events ordering the move against the caller's GPU work (docs/protocol.md, "Ordering
+    against the engine's GPU work"); None on CPU memory. Needs the ``cuda_events`` capability."""
 
 
 class FixLayout(_Request, tag="fix_layout", frozen=True):
@@ -311,6 +319,18 @@ class HelloReply(_Reply, tag="hello_reply", frozen=True):
     max_ids_per_command: int
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
+    capabilities: list[str] = []
+    """Optional features this daemon serves (`CAPABILITIES`); a client uses a feature only when
+    it is listed, so an older daemon is never sent what it would ignore or refuse."""
+
+
+CAPABILITIES = ("cuda_events", "cuda_vmm", "fd_tokens")
+"""Every capability a daemon may announce in `HelloReply.capabilities`:
+
+- ``cuda_events``: `Move.events` is honoured;
+- ``cuda_vmm``: `CudaVmmRef` handles are imported (needs CUDA and the driver's VMM API);
+- ``fd_tokens``: `Register.fd_tokens` is read (more than 253 fds per registration).
+"""
 
 
 class Registered(_Reply, tag="registered", frozen=True):

@@ -122,6 +122,11 @@ class CudaIpcRef(
     """Byte offset of the tensor within its storage."""
     nbytes: int
     """Bytes from the tensor's first to one past its last reachable byte."""
+    device_uuid: str = ""
+    """UUID of the worker's GPU (``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``). The daemon opens
+    the handle on its own index of that GPU, whatever index the worker sees it under (a
+    container often sees its GPU as ``cuda:0``), and refuses the handle when it cannot see that
+    GPU. Empty (older clients): ``device`` is used as the daemon's index."""
 
     kind: ClassVar[Literal["cuda_ipc"]] = "cuda_ipc"
     """The handle's kind (also its tag on the wire)."""
@@ -131,8 +136,60 @@ class CudaIpcRef(
         return self.ipc_handle, self.storage_offset
 
 
-HandleRef = ShmRef | CudaIpcRef
+class CudaVmmRef(
+    msgspec.Struct, frozen=True, tag="cuda_vmm", tag_field="kind", forbid_unknown_fields=True
+):
+    """A CUDA tensor in virtual-memory (``cuMemCreate``) allocations, exported as POSIX fds.
+
+    Memory that legacy CUDA IPC cannot share (torch's ``expandable_segments``, allocators built
+    on ``cuMemCreate``) is exported chunk by chunk with ``cuMemExportToShareableHandle``: one fd
+    per physical allocation, sent on the fd channel like shm fds. The daemon imports each chunk,
+    maps them one after another into one reserved address range and reads the tensor at
+    ``offset`` in it. Only sent to a daemon whose `HelloReply.capabilities` has ``cuda_vmm``.
+    Also the handle `kvsidecar.memory.cuda_vmm` works with.
+    """
+
+    device: int
+    """CUDA device index in the worker (informative; ``device_uuid`` decides)."""
+    device_uuid: str
+    """UUID of the GPU the memory lives on (see `CudaIpcRef.device_uuid`)."""
+    fd_index: int
+    """Index of the first chunk's fd among the registration's fds; chunk ``i`` is at
+    ``fd_index + i``."""
+    chunk_nbytes: list[int]
+    """Size of each physical allocation, in address order; they are mapped back to back."""
+    offset: int
+    """Byte offset of the tensor's first element from the start of the first chunk."""
+    nbytes: int
+    """Bytes from the tensor's first to one past its last reachable byte."""
+
+    kind: ClassVar[Literal["cuda_vmm"]] = "cuda_vmm"
+    """The handle's kind (also its tag on the wire)."""
+
+    def span_key(self) -> tuple[int, int]:
+        """Identify the mapping: handles with equal keys are views of one set of chunks."""
+        return self.fd_index, len(self.chunk_nbytes)
+
+
+HandleRef = ShmRef | CudaIpcRef | CudaVmmRef
 """How the daemon maps a registered layer's memory."""
+
+
+class MoveEvents(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """CUDA events that order a move against the engine's own GPU work (`Move.events`).
+
+    Both are interprocess events of the caller's GPU (``cudaIpcGetEventHandle``, 64 bytes).
+    """
+
+    device_uuid: str
+    """The GPU the events belong to (see `CudaIpcRef.device_uuid`); one side of the move must
+    be registered memory on it."""
+    ready: bytes
+    """Recorded by the caller on its current stream when it sent the move: the daemon's copy
+    waits for it, so the move sees every write (and no later read) the engine enqueued before."""
+    done: bytes = b""
+    """Recorded by the daemon after the copy (and any layout fix): the caller's stream waits for
+    it before the engine reads the destination. Empty: none."""
 
 
 class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -148,7 +148,12 @@ class DaemonProcess:
     """
 
     def __init__(
-        self, config: Config, *, run_as: int | None = None, log_path: Path | None = None
+        self,
+        config: Config,
+        env: dict[str, str] | None = None,
+        *,
+        run_as: int | None = None,
+        log_path: Path | None = None,
     ) -> None:
         self.config = config
         self.log_path = log_path or Path(config.runtime_dir) / "daemon.log"
@@ -159,7 +164,7 @@ class DaemonProcess:
             argv = ["setpriv", *ids, *argv]
         self.proc = subprocess.Popen(
             argv,
-            env=config_env(config),
+            env={**config_env(config), **(env or {})},
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -196,11 +201,14 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon_process(source: ConfigSource | None = None) -> Iterator[DaemonProcess]:
-    """A ready daemon process (default: `make_config()`); stopped, its runtime dir removed."""
+def daemon_process(
+    source: ConfigSource | None = None, env: dict[str, str] | None = None
+) -> Iterator[DaemonProcess]:
+    """A ready daemon process (default: `make_config()`; ``env``: extra variables); stopped,
+    its runtime dir removed."""
     for config, clash_retried in _attempts(source or make_config):
         with clash_retried:
-            daemon = _start_process(config)
+            daemon = _start_process(config, env)
             break
     try:
         yield daemon
@@ -209,9 +217,9 @@ def daemon_process(source: ConfigSource | None = None) -> Iterator[DaemonProcess
         shutil.rmtree(daemon.config.runtime_dir, ignore_errors=True)
 
 
-def _start_process(config: Config) -> DaemonProcess:
+def _start_process(config: Config, env: dict[str, str] | None = None) -> DaemonProcess:
     """A ready daemon process; on failure it is stopped and its runtime dir removed."""
-    daemon = DaemonProcess(config)
+    daemon = DaemonProcess(config, env)
     try:
         daemon.wait_ready()
     except BaseException:
