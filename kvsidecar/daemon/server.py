@@ -30,8 +30,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -64,6 +62,7 @@ from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import Registry, check_epoch
+from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
@@ -115,6 +114,10 @@ class Daemon(Edge, Registration, Commands):
         """Held around every use of ``_sock``: copy threads send replies on it too (`ReplyTo`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd_server: FdChannelServer | None = None
+        self._lock_fd: int | None = None
+        """The runtime directory's lock (`lock_runtime_dir`), held while serving."""
+        self._bound = False
+        """True once the control socket is bound (shutdown removes an ipc path only then)."""
         self._pool: HostPool | None = None
         self._executor: CopyExecutor | None = None
         self.peer: PeerService | None = None
@@ -198,8 +201,9 @@ class Daemon(Edge, Registration, Commands):
     async def startup(self) -> None:
         """Create the runtime dir, allocate the pool, bind the sockets, start the lease sweeper."""
         cfg = self.config
-        _private_dir(Path(cfg.runtime_dir))
-        _refuse_if_running(cfg.fd_socket)
+        private_dir(Path(cfg.runtime_dir))
+        self._lock_fd = lock_runtime_dir(cfg.runtime_dir)
+        refuse_if_running(cfg.fd_socket, cfg.ipc_path)
         if cfg.ipc_path is not None:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
             Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -224,6 +228,7 @@ class Daemon(Edge, Registration, Commands):
         # requests get a typed too_large reply from `_on_message`.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)
         sock.bind(cfg.endpoint)
+        self._bound = True  # from here on the ipc socket file is ours to remove
         if cfg.ipc_path is not None:
             os.chmod(cfg.ipc_path, 0o600)
         self._sock = sock
@@ -307,9 +312,13 @@ class Daemon(Edge, Registration, Commands):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if self.config.ipc_path is not None:
+        if self.config.ipc_path is not None and self._bound:
+            # Only the socket this daemon bound: a refused start must not remove a live one's.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ipc_path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         # Last: /readyz answers "draining" for as long as the drain above runs.
         self.completions.close()
         await self.observability.close()
@@ -404,29 +413,6 @@ class Daemon(Edge, Registration, Commands):
         self.completions.on_peer_event(event)
         if self.peer is not None:
             self.peer.completions.append(event)
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) or check that an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise SystemExit(f"kvsidecar: {path} belongs to uid {st.st_uid}, not to us; refusing it")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-
-
-def _refuse_if_running(fd_socket: str) -> None:
-    """Fail fast when another daemon already serves this runtime directory."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(fd_socket)
-    except OSError:
-        return
-    finally:
-        probe.close()
-    raise SystemExit(f"kvsidecar: a daemon already listens on {fd_socket}")
 
 
 async def serve(config: Config) -> None:
