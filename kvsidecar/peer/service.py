@@ -93,6 +93,7 @@ class PeerService:
         self._sock: zmq.asyncio.Socket | None = None
         self._links: dict[str, PeerLink] = {}
         self._tasks: list[asyncio.Task[Any]] = []
+        self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerRequest)
 
@@ -161,6 +162,7 @@ class PeerService:
         for link in list(self._links.values()):
             await link.close()
         self._links.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -277,7 +279,9 @@ class PeerService:
     def link(self, endpoint: str) -> PeerLink:
         """Return the link to the daemon at ``endpoint``; connect on first use or after a drop."""
         link = self._links.get(endpoint)
-        if link is None or link.closed:
+        if link is not None and link.lost and not link.closed:
+            self._spawn_close(link)
+        if link is None or link.closed or link.lost:
             assert self._ctx is not None
             link = PeerLink(
                 self._ctx,
@@ -287,6 +291,12 @@ class PeerService:
             )
             self._links[endpoint] = link
         return link
+
+    def _spawn_close(self, link: PeerLink) -> None:
+        """Close a link whose connection was lost, in the background (it holds two sockets)."""
+        task = asyncio.get_running_loop().create_task(link.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def drop_link(self, endpoint: str) -> None:
         """Close the link to ``endpoint``; the next pull from it connects afresh."""
