@@ -74,7 +74,7 @@ SHRINKABLE: dict[str, Callable[[], int]] = {
 }
 FAULTING: dict[str, Callable[[], int]] = {
     # Sealed against shrinking, but each first touch needs a free huge page (there are none).
-    "memfd_huge_pages_sealed": lambda: _huge_memfd(),
+    "memfd_huge_pages_sealed": _huge_memfd,
 }
 NOT_MEMORY: dict[str, Callable[[], int]] = {
     "pipe": _pipe_fd,

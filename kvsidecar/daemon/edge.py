@@ -40,8 +40,6 @@ from kvsidecar.wire.protocol import (
     Move,
     Publish,
     Pull,
-    Register,
-    Registered,
     Reply,
     Request,
     Status,
@@ -130,7 +128,9 @@ class Edge:
     _envelope: msgspec.msgpack.Decoder[Envelope]
     _encoder: msgspec.msgpack.Encoder
 
-    def _dispatch(self, req: Request, data: list[memoryview], reply_to: ReplyTo) -> Dispatched:
+    def _dispatch(
+        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
+    ) -> Dispatched:
         raise NotImplementedError  # the daemon's
 
     async def _recv_loop(self) -> None:
@@ -237,12 +237,11 @@ class Edge:
             if self.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
             # security: forbidden before anything is done; these three are anyone's
+            who = self._principal(ident, body[0])
             if not isinstance(request, Hello | Status | Heartbeat):
-                authorize(self.access, self._principal(ident, body[0]), request)
+                authorize(self.access, who, request)
             reply_to = ReplyTo(self, ident, command, started)
-            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to)
-            if isinstance(request, Register) and asyncio.iscoroutine(result):
-                result = self._bind_on_success(ident, body[0], result)
+            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to, who)
         except SidecarError as exc:
             rid = request_id or exc.request_id
             self._send(
@@ -279,14 +278,6 @@ class Edge:
         except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
             user = ""
         return self.access.principal(ident, str(user))
-
-    async def _bind_on_success(
-        self, ident: bytes, frame: zmq.Frame, work: Coroutine[Any, Any, Reply]
-    ) -> Reply:
-        reply = await work
-        if isinstance(reply, Registered):
-            self.access.bind(ident, reply.worker, self._principal(ident, frame).user)
-        return reply
 
     def _peek_id(self, header: memoryview) -> int:
         try:

@@ -22,7 +22,7 @@ import msgspec
 
 from kvsidecar import __version__
 from kvsidecar.core import layout
-from kvsidecar.daemon.access import AccessControl  # security
+from kvsidecar.daemon.access import AccessControl, EngineId, Principal  # security
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
@@ -89,20 +89,27 @@ class Registration:
             worker.lease_deadline = deadline
         return Ok(id=req.id)
 
-    def _grant(self, req: Grant) -> Ok:
+    def _grant(self, req: Grant, who: Principal) -> Ok:
         """Let ``req.grantee`` use the owner's engine (read and/or write; see `access`)."""
         self.registry.worker(req.owner)
         if not req.grantee:
             raise SidecarError("invalid_message", "grantee must not be empty")
-        self.access.grant(req.owner.engine_id, req.grantee, read=req.read, write=req.write)
+        owner = self.registry.engine(req.owner.engine_id)
+        self.access.grant(
+            EngineId(owner.engine_id, owner.epoch),
+            req.grantee,
+            req.grantee_user or owner.owner,
+            read=req.read,
+            write=req.write,
+        )
         return Ok(id=req.id)
 
-    async def _register(self, req: Register) -> Reply:
+    async def _register(self, req: Register, who: Principal) -> Reply:
         ref = req.worker
         _check_identity(req)
         if ref in self.registry.workers:
             raise SidecarError("already_registered", f"{ref.label()} is already registered")
-        engine = self._engine_for(req)
+        engine = self._engine_for(req, who)
         buffers, conn_id = await self._map_layers(req)
         layers: dict[str, LayerBuffer] = {}
         device: BufferSet | None = None
@@ -120,6 +127,9 @@ class Registration:
             if existing is not None and existing is not engine:
                 self._check_engine_matches(existing, req)
                 engine = existing
+            # Checked again now, with the registry as the worker joins it: the name may have
+            # been taken by another user while the fds were awaited.
+            self.access.check_register(who, ref.engine_id)
         except BaseException:
             for mapped in buffers:
                 mapped.close()
@@ -138,6 +148,10 @@ class Registration:
             epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
         )
         self.registry.add(engine, worker)
+        engine_id = EngineId(engine.engine_id, engine.epoch)
+        if existing is None:
+            self.access.engine_created(engine_id, engine.owner)
+        self.access.bind(who, ref, engine_id)
         # completions + metrics: reports carry this registration's epoch; engine series at 0
         epoch = self.completions.worker_registered(
             ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
@@ -160,7 +174,7 @@ class Registration:
             epoch=epoch,
         )
 
-    def _engine_for(self, req: Register) -> Engine:
+    def _engine_for(self, req: Register, who: Principal) -> Engine:
         existing = self.registry.engines.get(req.worker.engine_id)
         if existing is not None:
             self._check_engine_matches(existing, req)
@@ -175,6 +189,8 @@ class Registration:
             dcp_size=req.dcp_size,
             host_blocks=req.host_blocks,
             allocator=BlockIdAllocator(req.host_blocks) if req.host_blocks > 0 else None,
+            epoch=next(self._epochs),
+            owner=who.user,
         )
 
     @staticmethod
@@ -263,8 +279,9 @@ class Registration:
 
     async def _release(self, ref: WorkerRef, why: str) -> None:
         """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
+        engine = self.registry.engines.get(ref.engine_id)
         worker = self.registry.remove(ref)
-        if worker is None:
+        if worker is None or engine is None:
             return
         # completions + metrics: what waited for this worker completes (receiving: failed)
         self.completions.worker_departed(ref, why)
@@ -277,7 +294,7 @@ class Registration:
                 fut.cancel()
         self.access.unbind(ref)
         if ref.engine_id not in self.registry.engines:
-            self.access.drop_engine(ref.engine_id)
+            self.access.drop_engine(EngineId(engine.engine_id, engine.epoch))
         if self._executor is not None:
             keys: set[Hashable] = {worker.device.key}
             if worker.host is not None:

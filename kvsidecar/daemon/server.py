@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl  # security
+from kvsidecar.daemon.access import AccessControl, Principal  # security
 from kvsidecar.daemon.admission import Admission  # reliability
 from kvsidecar.daemon.auth import (
     CONTROL_DOMAIN,
@@ -139,7 +139,7 @@ class Daemon(Edge, Registration, Commands):
         self.observability = Observability(config)
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
         # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
-        self.access = AccessControl(exists=self.registry.engines.__contains__)
+        self.access = AccessControl(lookup=self.registry.engines.get)
         """Connection -> engine bindings and sharing grants."""
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
         self.zap: ZapHandler | None = None
@@ -333,8 +333,13 @@ class Daemon(Edge, Registration, Commands):
             raise SidecarError("shutting_down", "node-to-node transfer is not running")
         return self.peer
 
-    def _dispatch(self, req: Request, data: list[memoryview], reply_to: ReplyTo) -> Dispatched:
+    def _dispatch(
+        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
+    ) -> Dispatched:
         """Answer a request inline (a reply and its data frames), or return what answers later.
+
+        ``who`` sent it (`authorize` already let it through); registrations, grants and pulls
+        need it again further on.
 
         That is a coroutine (run as a task), the future of a peer pull's reply, or for copy
         jobs their outcome (the job answers through ``reply_to`` itself).
@@ -354,7 +359,7 @@ class Daemon(Edge, Registration, Commands):
             case Move():
                 return self._move(req, data, reply_to)
             case Grant():  # security
-                return self._grant(req), ()
+                return self._grant(req, who), ()
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 job = prepare_fix(self.registry, req, ids)
@@ -363,7 +368,12 @@ class Daemon(Edge, Registration, Commands):
             case Pull():
                 remote = self._ids(data[0], req.ids_dtype, "remote block")
                 local = self._ids(data[1], req.ids_dtype, "local block")
-                return self._peer_service().pull(req, remote, local)
+
+                # A pull served by this very daemon reads its own engines: rights as for a move.
+                def may_read(engine_id: str) -> bool:
+                    return self.access.may(who, engine_id, write=False)
+
+                return self._peer_service().pull(req, remote, local, may_read)
             case Publish():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 return self._peer_service().publish(req, ids), ()
@@ -378,7 +388,7 @@ class Daemon(Edge, Registration, Commands):
             # --- end completions ---
             case Register():
                 _check_version(req.protocol_version)
-                return self._register(req)
+                return self._register(req, who)
             case Unregister():
                 check_epoch(self.registry.worker(req.worker), req.epoch)
                 return self._unregister(req)

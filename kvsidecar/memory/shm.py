@@ -77,7 +77,7 @@ def allocate_shared(nbytes: int) -> torch.Tensor:
 
 
 def _sealed_storage(nbytes: int) -> torch.UntypedStorage:
-    """A storage of ``nbytes`` in a fresh memfd sealed against shrinking and growing."""
+    """Return a storage of ``nbytes`` in a new memfd sealed against shrinking and growing."""
     fd = os.memfd_create("kvsidecar", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)

@@ -195,10 +195,18 @@ class PeerService:
         return self.producer.publish(req, ids)
 
     def pull(
-        self, req: Pull, remote_ids: IdArray, local_ids: IdArray
+        self,
+        req: Pull,
+        remote_ids: IdArray,
+        local_ids: IdArray,
+        may_read: Callable[[str], bool] = lambda _: True,
     ) -> Coroutine[Any, Any, Reply]:
-        """Check a pull completely (typed errors, nothing sent), then return its coroutine."""
-        return check_pull(self, req, remote_ids, local_ids).run()
+        """Check a pull completely (typed errors, nothing sent), then return its coroutine.
+
+        ``may_read(engine_id)``: whether the sender may read one of this daemon's engines; asked
+        when the remote daemon turns out to be this one.
+        """
+        return check_pull(self, req, remote_ids, local_ids, may_read).run()
 
     # ------------------------------------------------------------------ peer endpoint
 

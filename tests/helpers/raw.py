@@ -9,6 +9,7 @@ Importable by a child that dropped to another uid (nothing here touches files).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import struct
@@ -148,8 +149,6 @@ def register_fd(
 
 def sealed_memfd(nbytes: int, fill: int = 0) -> int:
     """A memfd the way an honest worker makes one: sized, filled, sealed against shrinking."""
-    import fcntl
-
     fd = os.memfd_create("honest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
     os.pwrite(fd, bytes([fill]) * nbytes, 0)
