@@ -27,6 +27,15 @@ from kvsidecar.wire.errors import SidecarError
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of process ``pid`` in MiB (``VmRSS``; ``VmHWM``: its peak so far)."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field}")
+
+
 def make_config(**overrides: Any) -> Config:
     """A config in a fresh short temp dir (Unix socket paths must stay < 108 bytes)."""
     runtime = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")

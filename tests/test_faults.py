@@ -23,17 +23,9 @@ import zmq
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, WorkerRef
 from kvsidecar.wire.protocol import Status
-from tests.harness import DaemonProcess, LineChild, daemon_process, make_config
+from tests.harness import DaemonProcess, LineChild, daemon_process, make_config, rss_mib
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def shm_entries() -> set[str]:

@@ -361,6 +361,8 @@ def test_export_moves_an_fd_strategy_storage_into_a_sealed_memfd() -> None:
     assert float(view[0]) == -1.0
     assert os.pread(fd, 4, 40) == torch.tensor([-1.0]).numpy().tobytes()
     assert export_tensor(t)[1] == fd  # sealed once, exported as it is from then on
+    del t, view
+    gc.collect()  # the memfd goes now, not during a later test that counts fds
 
 
 def test_open_shm_validates_before_mapping() -> None:

@@ -106,10 +106,16 @@ class Registration:
 
     async def _register(self, req: Register, who: Principal) -> Reply:
         ref = req.worker
+        if len(req.layers) > self.config.max_layers:
+            raise SidecarError(
+                "too_large",
+                f"{len(req.layers)} layers, more than max_layers {self.config.max_layers}",
+            )
         _check_identity(req)
         if ref in self.registry.workers:
             raise SidecarError("already_registered", f"{ref.label()} is already registered")
-        engine = self._engine_for(req, who)
+        engine = self._engine_for(req, who)  # sizes checked: nothing allocated or mapped yet
+        self._check_mirror(req, engine.host_blocks, who.user)  # before anything is mapped
         buffers, conn_id = await self._map_layers(req)
         layers: dict[str, LayerBuffer] = {}
         device: BufferSet | None = None
@@ -119,7 +125,7 @@ class Registration:
                 layers[spec.name] = LayerBuffer.map(spec.name, spec.descriptor, mapped)
             device = BufferSet((ref, "device"), layers)
             if engine.host_blocks > 0:
-                host = self._mirror(ref, req, engine.host_blocks)
+                host = self._mirror(ref, req, engine.host_blocks, who.user)
             # Checked again: another register of the same worker may have finished meanwhile.
             if ref in self.registry.workers:
                 raise SidecarError("already_registered", f"{ref.label()} is already registered")
@@ -175,12 +181,21 @@ class Registration:
         )
 
     def _engine_for(self, req: Register, who: Principal) -> Engine:
+        """Return the engine the worker joins (or a new one); its mirror's size checked first."""
         existing = self.registry.engines.get(req.worker.engine_id)
         if existing is not None:
             self._check_engine_matches(existing, req)
+            self._check_mirror(req, existing.host_blocks, who.user)
             return existing
         if req.host_blocks < 0:
             raise SidecarError("invalid_message", "host_blocks must be >= 0")
+        if req.host_blocks > self.config.max_host_blocks:
+            raise SidecarError(
+                "too_large",
+                f"host_blocks {req.host_blocks} is more than max_host_blocks "
+                f"{self.config.max_host_blocks}",
+            )
+        self._check_mirror(req, req.host_blocks, who.user)
         return Engine(
             engine_id=req.worker.engine_id,
             model_hash=req.model_hash,
@@ -251,23 +266,45 @@ class Registration:
             raise
         return [b for b in out if b is not None], conn_id
 
-    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
-        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
-        if self._pool is None:
+    def _check_mirror(self, req: Register, host_blocks: int, user: str) -> int:
+        """Return the bytes of the worker's host mirror; ``pool_exhausted`` if they cannot fit.
+
+        Pure arithmetic on the descriptors, checked against the pool and ``user``'s quota
+        (``host_pool_user_bytes``) before anything is allocated or mapped.
+        """
+        if host_blocks == 0:
+            return 0
+        pool = self._pool
+        if pool is None:
             raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
-        descs: list[tuple[str, BufferDescriptor, int]] = []
-        for spec in req.layers:
-            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
-            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
-        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
-        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
+        need = sum(pitch for _, _, _, pitch in _mirror_layers(req, host_blocks))
+        if need > pool.capacity_bytes:
+            raise SidecarError(
+                "pool_exhausted",
+                f"a host mirror of {need} bytes is larger than the pool ({pool.capacity_bytes})",
+            )
+        quota = self.config.host_pool_user_bytes
+        if quota and pool.used_by(user) + need > quota:
+            raise SidecarError(
+                "pool_exhausted",
+                f"{user} holds {pool.used_by(user)} host-pool bytes; {need} more would pass its "
+                f"quota of {quota} (host_pool_user_bytes)",
+            )
+        return need
+
+    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int, user: str) -> BufferSet:
+        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
+        self._check_mirror(req, host_blocks, user)  # again: others may have reserved meanwhile
+        assert self._pool is not None
+        descs = _mirror_layers(req, host_blocks)
+        pitches = [pitch for _, _, _, pitch in descs]
         try:
-            extent = self._pool.reserve(sum(pitches))
+            extent = self._pool.reserve(sum(pitches), owner=user)
         except HandleError as exc:
             raise SidecarError("pool_exhausted", str(exc)) from None
         layers = {}
         offset = 0
-        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
+        for name, desc, nbytes, pitch in descs:
             buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
             layers[name] = LayerBuffer.map(name, desc, buf)
             offset += pitch
@@ -372,6 +409,17 @@ def _check_identity(req: Register) -> None:
     first = req.layers[0].descriptor.num_blocks
     if any(s.descriptor.num_blocks != first for s in req.layers):
         raise SidecarError("incompatible_buffers", "every layer must have the same num_blocks")
+
+
+def _mirror_layers(req: Register, host_blocks: int) -> list[tuple[str, BufferDescriptor, int, int]]:
+    """Each layer of a host mirror: name, descriptor, bytes, and its 4 KiB-aligned pitch."""
+    out = []
+    for spec in req.layers:
+        desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
+        nbytes = layout.buffer_nbytes(desc)
+        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
+        out.append((spec.name, desc, nbytes, -(-nbytes // 4096) * 4096))
+    return out
 
 
 def _open_cuda(ref: CudaIpcRef) -> MappedBuffer:

@@ -62,6 +62,7 @@ from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import Registry, check_epoch
+from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
@@ -142,6 +143,8 @@ class Daemon(Edge, Registration, Commands):
         self.access = AccessControl(lookup=self.registry.engines.get)
         """Connection -> engine bindings and sharing grants."""
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
+        self.reply_budget = ReplyBudget(config.max_reply_bytes)
+        """Bytes of large replies waiting for their readers (`kvsidecar.daemon.replies`)."""
         self.zap: ZapHandler | None = None
         """Authenticates connections (peer uid on ipc, CURVE key on tcp); set in startup."""
         self.insecure_transport = False

@@ -35,12 +35,19 @@ def ids(*values: int) -> bytes:
 class Raw:
     """One plain DEALER on the control socket; `call` sends a request and waits for its reply."""
 
-    def __init__(self, endpoint: str, *, routing_id: bytes | None = None) -> None:
+    def __init__(
+        self, endpoint: str, *, routing_id: bytes | None = None, slow_reader: bool = False
+    ) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if slow_reader:
+            # libzmq's own thread would read replies off the wire into this socket's queue;
+            # with room for one, unread replies stay with the sender, as with a stalled client.
+            self.sock.setsockopt(zmq.RCVHWM, 1)
+            self.sock.setsockopt(zmq.RCVBUF, 4096)
         self.sock.connect(endpoint)
         self._next = 1
 
