@@ -229,6 +229,18 @@ def test_name_claimed_by_another_uid_first_is_not_joined(scene: Scene) -> None:
     assert not scene.intruder.holds_victim_bytes()
 
 
+def test_grant_before_its_owner_registers_gives_nothing(scene: Scene) -> None:
+    """A grant naming an engine that is not there yet is refused and leaves nothing behind."""
+    grant = Grant(id=_rid(), owner=WorkerRef("ghost"), grantee="evil", read=True, write=True)
+    assert _refused(scene.intruder.send(grant))
+    assert isinstance(scene.register("ghost"), Registered)
+    move = Move(
+        id=_rid(), src=BufferSetRef(WorkerRef("ghost")), dst=BufferSetRef(WorkerRef("evil"))
+    )
+    assert _refused(scene.intruder.send(move, ids(9), ids(9)))
+    assert not scene.intruder.holds_victim_bytes()
+
+
 def test_grant_to_a_name_nobody_holds_is_not_inherited_by_another_uid(scene: Scene) -> None:
     grant = Grant(id=_rid(), owner=WorkerRef("decode"), grantee="later", read=True, write=True)
     assert isinstance(scene.call(grant), Ok)
