@@ -64,6 +64,9 @@ Dispatched = tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asynci
 or a future (a peer pull's reply, or a copy job's outcome that answers through its `ReplyTo`)."""
 
 
+NOBODY = Principal(frozenset(), admin=False, user="")
+"""The principal handed on with requests that need no rights (hello, status, heartbeat)."""
+
 BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
 """Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
 
@@ -199,7 +202,7 @@ class Edge:
         """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
         # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
         header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
-        size = len(header) + sum(memoryview(f).nbytes for f in data)
+        size = len(header) + sum(memoryview(f).nbytes for f in data) if data else len(header)
         large = size >= zmqio.COPY_BELOW  # sent zero-copy: held until libzmq lets go of it
         if large and not self.reply_budget.take(size):
             reply = Error(id=reply.id, code="busy", message=_no_room(size, self.reply_budget.limit))
@@ -268,8 +271,9 @@ class Edge:
                 # its reply would then have to drop.
                 raise SidecarError("busy", _no_room(0, self.reply_budget.limit))
             # security: forbidden before anything is done; these three are anyone's
-            who = self._principal(ident, body[0])
+            who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
             if not isinstance(request, Hello | Status | Heartbeat):
+                who = self._principal(ident, body[0])
                 authorize(self.access, who, request)
             reply_to = ReplyTo(self, ident, command, started)
             result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to, who)
