@@ -115,7 +115,6 @@ class Registration:
         if ref in self.registry.workers:
             raise SidecarError("already_registered", f"{ref.label()} is already registered")
         engine = self._engine_for(req, who)  # sizes checked: nothing allocated or mapped yet
-        self._check_mirror(req, engine.host_blocks, who.user)  # before anything is mapped
         buffers, conn_id = await self._map_layers(req)
         layers: dict[str, LayerBuffer] = {}
         device: BufferSet | None = None
