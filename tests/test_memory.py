@@ -256,6 +256,27 @@ def test_allocate_shared_is_sealed_anonymous_and_touched() -> None:
         allocate_shared(0)
 
 
+def test_export_moves_an_fd_strategy_storage_into_a_sealed_memfd() -> None:
+    """torch's share_memory_() file cannot be sealed; export moves it in place, views follow."""
+    import fcntl
+
+    t = torch.arange(1024, dtype=torch.float32).share_memory_()
+    view = t[10:20]
+    old_fd = torch.UntypedStorage._get_shared_fd(t.untyped_storage())  # type: ignore[attr-defined]
+    assert os.readlink(f"/proc/self/fd/{old_fd}").startswith("/dev/shm/torch_")
+    handle, fd = export_tensor(view)
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvsidecar")
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    assert handle == ShmHandle(0, 4096, 40, 40)
+    assert torch.equal(t, torch.arange(1024, dtype=torch.float32))  # the bytes came along
+    t[10] = -1.0  # and every view of the storage now lives in the sealed memory
+    assert float(view[0]) == -1.0
+    assert os.pread(fd, 4, 40) == torch.tensor([-1.0]).numpy().tobytes()
+    assert export_tensor(t)[1] == fd  # sealed once, exported as it is from then on
+    del t, view
+    gc.collect()  # the memfd goes now, not during a later test that counts fds
+
+
 def test_open_shm_validates_before_mapping() -> None:
     flat = allocate_shared(8192)
     handle, fd = export_tensor(flat)

@@ -21,9 +21,10 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.daemon.access import AccessControl
+from kvsidecar.daemon.access import AccessControl, EngineId
 from kvsidecar.daemon.auth import DomainPolicy, ZapHandler, control_transport
 from kvsidecar.daemon.config import Config, ConfigError
+from kvsidecar.daemon.registry import Engine
 from kvsidecar.daemon.server import Daemon
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.curve import KeyFileError, keygen, load_authorized_keys, load_keypair
@@ -271,16 +272,26 @@ async def test_engines_need_grants_to_touch_each_other() -> None:
 
 
 def test_register_into_another_users_engine_is_refused() -> None:
-    acl = AccessControl(admin_uids=[0])
-    acl.bind(b"x", WorkerRef("e"), "uid:1000")
+    engines: dict[str, Engine] = {}
+    acl = AccessControl(admin_uids=[0], lookup=engines.get)
+    engines["e"] = Engine("e", "", 1, 1, 1, 0, None, epoch=7, owner="uid:1000")
+    owner = acl.principal(b"x", "uid:1000")
+    acl.bind(owner, WorkerRef("e"), EngineId("e", 7))
     stranger = acl.principal(b"y", "uid:1001")
     same_user = acl.principal(b"z", "uid:1000")
+    admin = acl.principal(b"w", "uid:0")
     with pytest.raises(SidecarError, match="belongs to uid:1000"):
         acl.check_register(stranger, "e")
+    with pytest.raises(SidecarError, match="belongs to uid:1000"):
+        acl.check_register(admin, "e")  # administrators do not join another user's engine
     acl.check_register(same_user, "e")  # another rank of the same engine, same user
-    assert not stranger.admin and acl.principal(b"w", "uid:0").admin
+    assert not stranger.admin and admin.admin
     assert not acl.may(stranger, "e", write=False)
-    acl.drop_engine("e")
+    # the binding is to (connection, user): the same routing id under another uid is nobody
+    assert acl.principal(b"x", "uid:1001").engines == frozenset()
+    assert acl.principal(b"x", "uid:1000").engines == {EngineId("e", 7)}
+    del engines["e"]
+    acl.drop_engine(EngineId("e", 7))
     acl.check_register(stranger, "e")  # gone: the name is free again
 
 

@@ -90,9 +90,12 @@ class AsyncSidecarClient(_AsyncTransport):
         write: bool = False,
         owner: WorkerRef | None = None,
         timeout: float | None = None,
+        grantee_user: str = "",
     ) -> None:
         """Let engine ``grantee`` use this engine's blocks; see `SidecarClient.grant`."""
-        await self._run(self._grant(grantee, owner, read, write, timeout))
+        await self._run(
+            self._grant(grantee, owner, read, write, timeout, grantee_user=grantee_user)
+        )
 
     async def unregister(
         self, worker: WorkerRef | None = None, *, timeout: float | None = None

@@ -183,7 +183,14 @@ class _Requests(_Base):
         return _Call(req, Registered, finish, timeout=timeout)
 
     def _grant(
-        self, grantee: str, owner: WorkerRef | None, read: bool, write: bool, timeout: float | None
+        self,
+        grantee: str,
+        owner: WorkerRef | None,
+        read: bool,
+        write: bool,
+        timeout: float | None,
+        *,
+        grantee_user: str = "",
     ) -> _Call[Ok, None]:
         req = Grant(
             id=self._codec.next_id(),
@@ -191,6 +198,7 @@ class _Requests(_Base):
             grantee=grantee,
             read=read,
             write=write,
+            grantee_user=grantee_user,
         )
         return _Call(req, Ok, _nothing, timeout=timeout)
 

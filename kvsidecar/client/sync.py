@@ -97,13 +97,15 @@ class SidecarClient(_BlockingTransport):
         write: bool = False,
         owner: WorkerRef | None = None,
         timeout: float | None = None,
+        grantee_user: str = "",
     ) -> None:
         """Let engine ``grantee`` read and/or write this engine's blocks (see `Grant`).
 
         ``owner``: the registered worker whose engine grants (default: this client's worker).
-        ``read=False, write=False`` revokes.
+        ``read=False, write=False`` revokes. ``grantee_user`` (``uid:<n>``): the user whose
+        engine of that name is meant, when it is not the granting engine's own.
         """
-        self._run(self._grant(grantee, owner, read, write, timeout))
+        self._run(self._grant(grantee, owner, read, write, timeout, grantee_user=grantee_user))
 
     def unregister(self, worker: WorkerRef | None = None, *, timeout: float | None = None) -> None:
         """Release a worker's mappings and host mirror (default: this client's worker)."""

@@ -1,14 +1,29 @@
-"""Which engines a connection may touch: bindings of connections to engines, and sharing grants.
+"""Which engines a request may touch: principals, their bindings to engines, and sharing grants.
 
-The principal of a request is its ZeroMQ connection (the ROUTER routing id). A connection that
-registered a worker is **bound** to that worker's engine and may read and write that engine's
-buffers and host blocks, and those of engines that granted it access (`Grant`). A connection
-that registered nothing is **administrative** when the transport vouched for it as the daemon's
-own operator: an ipc peer with the daemon's uid (a same-uid process can read the daemon's memory
-anyway, so refusing it would protect nothing), or a tcp peer authenticated by CURVE (its key is on
-the operator's allow-list) or accepted in insecure mode. Any other unbound connection (an ipc
-peer with another allowed uid that has not registered) may only say hello, ask for status,
-heartbeat and register.
+The principal of a request is its ZeroMQ connection (the ROUTER routing id) **together with** the
+transport user that libzmq vouched for (``uid:<n>`` on ipc, ``curve:<key>`` on tcp): a routing id
+alone can be chosen by any client, so a binding is never found under another user's id.
+
+An engine is known by its name and its **epoch**: the registration epoch of the worker that
+created it (unique, also across daemon restarts). Its **owner** is the transport user that created
+it. Rights are bound to such engines, never to names alone:
+
+- A connection that registered a worker is **bound** to that worker's engine (name and epoch) and
+  may read and write its buffers and host blocks. When the engine ends (its last worker released)
+  the binding ends with it; a new engine of the same name is another engine.
+- Only the owner's user may join an engine (register another of its workers), administrators
+  included: joining an engine exposes the joiner's memory to it as well. A name that another user
+  holds cannot be joined, only waited out.
+- A grant (`Grant`) gives one engine's rights (read: move source; write: move destination, fix
+  target) to another engine: the engine of that name owned by ``grantee_user`` (default: the
+  granting engine's own user). It binds to that engine as registered now, or, when none is, to
+  the first one that registers; it ends when either engine ends.
+
+A connection that registered nothing is **administrative** when the transport vouched for it as
+the daemon's own operator: an ipc peer with the daemon's uid (a same-uid process can read the
+daemon's memory anyway, so refusing it would protect nothing), or a tcp peer authenticated by
+CURVE (its key is on the operator's allow-list) or accepted in insecure mode. Any other unbound
+connection may only say hello, ask for status, heartbeat and register.
 
 Checks happen before a command does anything; a refusal is ``forbidden`` and changes nothing.
 """
@@ -17,7 +32,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
@@ -38,21 +54,36 @@ from kvsidecar.wire.protocol import (
 )
 from kvsidecar.wire.types import WorkerRef
 
+if TYPE_CHECKING:
+    from kvsidecar.daemon.registry import Engine
+
+
+class EngineId(NamedTuple):
+    """One engine as a holder of rights: its name and the epoch it was created with."""
+
+    name: str
+    epoch: int
+
 
 @dataclass(frozen=True)
 class Principal:
     """Who sent a request: the engines its connection is bound to, and whether it is an admin."""
 
-    engines: frozenset[str]
+    engines: frozenset[EngineId]
     admin: bool
     user: str
     """The transport's word for the peer (``uid:<n>``, ``curve:<key>``, ``insecure``)."""
+    ident: bytes = b""
+    """The connection's routing id."""
 
 
 @dataclass
-class _Grant:
-    read: set[str] = field(default_factory=set)
-    write: set[str] = field(default_factory=set)
+class _Rights:
+    """What a grant allows, and the grantee engine's epoch once one holds it (None: not yet)."""
+
+    read: bool
+    write: bool
+    epoch: int | None
 
 
 class AccessControl:
@@ -62,81 +93,114 @@ class AccessControl:
         self,
         admin_uids: Iterable[int] | None = None,
         *,
-        exists: Callable[[str], bool] = lambda _: True,
+        lookup: Callable[[str], Engine | None] = lambda _: None,
     ) -> None:
-        # ``exists``: whether an engine is registered. Checks on an unknown engine pass, so the
+        # ``lookup``: the registered engine of a name. Checks on an unknown engine pass, so the
         # command fails with its own precise error (unknown_engine) and nothing is touched.
-        self._exists = exists
+        self._lookup = lookup
         self._admin_users = {f"uid:{u}" for u in (admin_uids or (os.geteuid(),))}
-        self._bound: dict[bytes, set[WorkerRef]] = {}
-        self._by_worker: dict[WorkerRef, bytes] = {}
-        self._grants: dict[str, _Grant] = {}
-        self._engine_user: dict[str, str] = {}
-        """The transport user that registered an engine's first worker."""
+        self._bound: dict[tuple[bytes, str], dict[WorkerRef, EngineId]] = {}
+        self._by_worker: dict[WorkerRef, tuple[bytes, str]] = {}
+        self._grants: dict[EngineId, dict[tuple[str, str], _Rights]] = {}
+        """owner engine -> (grantee name, grantee user) -> rights."""
+
+    def current(self, name: str) -> EngineId | None:
+        """Return the engine registered under ``name`` now, if any."""
+        engine = self._lookup(name)
+        return None if engine is None else EngineId(name, engine.epoch)
 
     # -- bindings
 
-    def bind(self, ident: bytes, ref: WorkerRef, user: str) -> None:
-        """Record that the connection ``ident`` (transport user ``user``) registered ``ref``."""
-        self._bound.setdefault(ident, set()).add(ref)
-        self._by_worker[ref] = ident
-        self._engine_user.setdefault(ref.engine_id, user)
+    def bind(self, who: Principal, ref: WorkerRef, engine: EngineId) -> None:
+        """Record that ``who``'s connection registered ``ref``, a worker of ``engine``."""
+        key = (who.ident, who.user)
+        self._bound.setdefault(key, {})[ref] = engine
+        self._by_worker[ref] = key
 
     def unbind(self, ref: WorkerRef) -> None:
         """Forget a released worker's binding."""
-        ident = self._by_worker.pop(ref, None)
-        if ident is None:
+        key = self._by_worker.pop(ref, None)
+        if key is None:
             return
-        refs = self._bound.get(ident)
+        refs = self._bound.get(key)
         if refs is not None:
-            refs.discard(ref)
+            refs.pop(ref, None)
             if not refs:
-                del self._bound[ident]
+                del self._bound[key]
 
     def principal(self, ident: bytes, user: str) -> Principal:
         """Return who sent a request on connection ``ident`` (transport user ``user``)."""
-        refs = self._bound.get(ident)
-        engines = frozenset(r.engine_id for r in refs) if refs else frozenset()
+        refs = self._bound.get((ident, user))
+        engines = frozenset(refs.values()) if refs else frozenset()
         admin = not engines and (
             user in self._admin_users or user.startswith("curve:") or user == "insecure"
         )
-        return Principal(engines, admin, user)
+        return Principal(engines, admin, user, ident)
 
-    # -- grants
+    # -- engines and grants
 
-    def grant(self, owner: str, grantee: str, *, read: bool, write: bool) -> None:
-        """Set what ``grantee`` may do with ``owner``'s buffers (both False: revoke)."""
-        g = self._grants.setdefault(owner, _Grant())
-        for allowed, names in ((read, g.read), (write, g.write)):
-            if allowed:
-                names.add(grantee)
-            else:
-                names.discard(grantee)
-        if not g.read and not g.write:
+    def engine_created(self, engine: EngineId, owner: str) -> None:
+        """Record a new engine: grants that waited for its name and owner now hold it."""
+        for grants in self._grants.values():
+            rights = grants.get((engine.name, owner))
+            if rights is not None and rights.epoch is None:
+                rights.epoch = engine.epoch
+
+    def grant(
+        self,
+        owner: EngineId,
+        grantee: str,
+        grantee_user: str,
+        *,
+        read: bool,
+        write: bool,
+    ) -> None:
+        """Set what engine ``grantee`` of ``grantee_user`` may do with ``owner``'s buffers.
+
+        Both False revoke. The grant holds the grantee's current engine if that user owns it,
+        else it waits for the next engine of that name and user to register.
+        """
+        grants = self._grants.setdefault(owner, {})
+        key = (grantee, grantee_user)
+        if not read and not write:
+            grants.pop(key, None)
+        else:
+            holder = self._lookup(grantee)
+            epoch = holder.epoch if holder is not None and holder.owner == grantee_user else None
+            grants[key] = _Rights(read, write, epoch)
+        if not grants:
             del self._grants[owner]
 
-    def drop_engine(self, engine_id: str) -> None:
-        """Forget an engine's grants and owner (it is gone; a new one of that name starts clean)."""
-        self._grants.pop(engine_id, None)
-        self._engine_user.pop(engine_id, None)
+    def drop_engine(self, engine: EngineId) -> None:
+        """Forget an ended engine: its grants go, and so do those it held (never passed on)."""
+        self._grants.pop(engine, None)
+        for owner, grants in list(self._grants.items()):
+            for key, rights in list(grants.items()):
+                if key[0] == engine.name and rights.epoch == engine.epoch:
+                    del grants[key]
+            if not grants:
+                del self._grants[owner]
 
     # -- checks
 
     def may(self, who: Principal, engine_id: str, *, write: bool) -> bool:
         """Whether ``who`` may read (or write) ``engine_id``'s buffers and host blocks."""
-        if who.admin or engine_id in who.engines or not self._exists(engine_id):
+        engine = self.current(engine_id)
+        if who.admin or engine is None or engine in who.engines:
             return True
-        g = self._grants.get(engine_id)
-        if g is None:
-            return False
-        names = g.write if write else g.read
-        return not who.engines.isdisjoint(names)
+        for (name, _), rights in self._grants.get(engine, {}).items():
+            allowed = rights.write if write else rights.read
+            if allowed and rights.epoch is not None and EngineId(name, rights.epoch) in who.engines:
+                return True
+        return False
 
     def check(self, who: Principal, engine_id: str, *, write: bool, what: str) -> None:
         """Raise ``forbidden`` unless `may`."""
         if not self.may(who, engine_id, write=write):
             verb = "write" if write else "read"
-            mine = ", ".join(sorted(who.engines)) or f"an unregistered client ({who.user})"
+            mine = ", ".join(sorted(e.name for e in who.engines)) or (
+                f"an unregistered client ({who.user})"
+            )
             raise SidecarError(
                 "forbidden",
                 f"{what}: {mine} may not {verb} engine {engine_id!r} (no grant from its owner)",
@@ -145,18 +209,20 @@ class AccessControl:
     def check_register(self, who: Principal, engine_id: str) -> None:
         """Raise ``forbidden`` if ``who`` would join another user's engine by registering.
 
-        Joining an engine gives access to all its buffers, so it is the owner's user's alone.
+        Joining an engine gives access to all its buffers (and gives the engine access to the
+        joiner's), so it is the owner's user's alone, whoever asks, administrators included.
         """
-        owner = self._engine_user.get(engine_id)
-        if owner is None or who.admin or owner == who.user:
-            return
-        raise SidecarError(
-            "forbidden", f"engine {engine_id!r} belongs to {owner}; {who.user} may not join it"
-        )
+        engine = self._lookup(engine_id)
+        if engine is not None and engine.owner != who.user:
+            raise SidecarError(
+                "forbidden",
+                f"engine {engine_id!r} belongs to {engine.owner}; {who.user} may not join it",
+            )
 
     def check_owner(self, who: Principal, engine_id: str, what: str) -> None:
         """Raise ``forbidden`` unless ``who`` is bound to ``engine_id`` (or an admin)."""
-        if not (who.admin or engine_id in who.engines or not self._exists(engine_id)):
+        engine = self.current(engine_id)
+        if not (who.admin or engine is None or engine in who.engines):
             raise SidecarError("forbidden", f"{what}: only engine {engine_id!r} itself may do it")
 
 

@@ -234,6 +234,34 @@ SETTINGS: tuple[Setting, ...] = (
         "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
         "for it on its own).",
     ),
+    # --- limits on sizes from the wire and on what one user may hold (issue 13) ---
+    Setting(
+        "max_layers",
+        int,
+        1024,
+        "Most layers one registration may carry; more get a too_large error.",
+    ),
+    Setting(
+        "max_host_blocks",
+        int,
+        1 << 22,
+        "Most host blocks one engine may declare (host_blocks); more get a too_large error.",
+    ),
+    Setting(
+        "host_pool_user_bytes",
+        int,
+        0,
+        "Most host-pool bytes the host mirrors of one user (uid, or CURVE key) may hold; beyond "
+        "it a registration gets pool_exhausted. 0: the whole pool. Set it when allowed_uids "
+        "admits other users.",
+    ),
+    Setting(
+        "max_reply_bytes",
+        int,
+        64 << 20,
+        "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
+        "them yet, all connections together; beyond it such requests get a busy error.",
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""
 
@@ -315,6 +343,11 @@ class Config:
     max_moves_per_worker: int = 256
     max_moves_total: int = 4096
     checksum: bool = False
+    # --- limits on sizes from the wire and per user ---
+    max_layers: int = 1024
+    max_host_blocks: int = 1 << 22
+    host_pool_user_bytes: int = 0
+    max_reply_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
@@ -378,6 +411,12 @@ class Config:
             )
         if self.max_moves_per_worker < 1 or self.max_moves_total < 1:
             raise ConfigError("max_moves_per_worker and max_moves_total must be >= 1")
+        if self.max_layers < 1 or self.max_host_blocks < 0:
+            raise ConfigError("max_layers must be >= 1 and max_host_blocks >= 0")
+        if self.host_pool_user_bytes < 0:
+            raise ConfigError("host_pool_user_bytes must be >= 0 (0: the whole pool)")
+        if self.max_reply_bytes < 1 << 20:
+            raise ConfigError("max_reply_bytes must be >= 1 MiB")
         try:
             _ = self.uids
         except ValueError:

@@ -27,24 +27,26 @@ from kvsidecar.daemon.commands import reply_of
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
 from kvsidecar.daemon.observability import Observability
+from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     REQUEST_TAGS,
+    Collect,
     Envelope,
     Error,
     FixLayout,
     Heartbeat,
     Hello,
+    HostAlloc,
     HostFree,
     Move,
     Publish,
     Pull,
-    Register,
-    Registered,
     Reply,
     Request,
     Status,
+    TakePeerEvents,
 )
 
 log = logging.getLogger("kvsidecar.daemon")
@@ -60,6 +62,21 @@ _BURST = 64
 Dispatched = tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]
 """What ``_dispatch`` returns: an inline reply and its data frames, a coroutine run as a task,
 or a future (a peer pull's reply, or a copy job's outcome that answers through its `ReplyTo`)."""
+
+
+NOBODY = Principal(frozenset(), admin=False, user="")
+"""The principal handed on with requests that need no rights (hello, status, heartbeat)."""
+
+BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
+"""Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
+
+
+def _no_room(size: int, limit: int) -> str:
+    what = f"a reply of {size} bytes" if size else "a reply that may be large"
+    return (
+        f"{what} was not queued: max_reply_bytes ({limit}) of replies already wait for "
+        "clients that have not read them; read your replies, then retry"
+    )
 
 
 class ReplyTo:
@@ -118,6 +135,7 @@ class Edge:
     config: Config
     access: AccessControl
     observability: Observability
+    reply_budget: ReplyBudget
     draining: bool
     errors_total: int
     _sock: zmq.Socket[Any] | None
@@ -130,7 +148,9 @@ class Edge:
     _envelope: msgspec.msgpack.Decoder[Envelope]
     _encoder: msgspec.msgpack.Encoder
 
-    def _dispatch(self, req: Request, data: list[memoryview], reply_to: ReplyTo) -> Dispatched:
+    def _dispatch(
+        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
+    ) -> Dispatched:
         raise NotImplementedError  # the daemon's
 
     async def _recv_loop(self) -> None:
@@ -180,24 +200,34 @@ class Edge:
         from_thread: bool = False,
     ) -> None:
         """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
+        # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
+        header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
+        size = len(header) + sum(memoryview(f).nbytes for f in data) if data else len(header)
+        large = size >= zmqio.COPY_BELOW  # sent zero-copy: held until libzmq lets go of it
+        if large and not self.reply_budget.take(size):
+            reply = Error(id=reply.id, code="busy", message=_no_room(size, self.reply_budget.limit))
+            header, data, large = msgspec.msgpack.encode(reply), (), False
         if command:  # metrics: every answered command, by type and result, with its latency
             self.observability.command(command, reply, started)
         if isinstance(reply, Error):
             self.errors_total += 1
-        # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
-        header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
         with self._sock_lock:
             sock = self._sock
-            if sock is None:
-                return
+            trackers: list[zmq.MessageTracker] = []
             try:
+                if sock is None:
+                    raise zmq.ZMQError(msg="the control socket is closed")
                 # A ROUTER never blocks on send (it drops for a gone or saturated peer).
-                zmqio.send_frames(sock, [ident, header, *data])
+                trackers = zmqio.send_frames(sock, [ident, header, *data], track=large)
                 # The send may have taken the fd's edge: requests waiting now would go unnoticed.
                 pending = zmqio.readable(sock)
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
+                if large:
+                    self.reply_budget.give_back(size)
                 return
+        if large:
+            self.reply_budget.track(trackers, size)
         if pending:
             if not from_thread:
                 asyncio.get_running_loop().call_soon(self._on_readable)
@@ -236,13 +266,17 @@ class Edge:
                 )
             if self.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
+            if isinstance(request, BULKY) and not self.reply_budget.has_room():
+                # Refused before it runs: a collect or take_peer_events must not consume what
+                # its reply would then have to drop.
+                raise SidecarError("busy", _no_room(0, self.reply_budget.limit))
             # security: forbidden before anything is done; these three are anyone's
+            who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
             if not isinstance(request, Hello | Status | Heartbeat):
-                authorize(self.access, self._principal(ident, body[0]), request)
+                who = self._principal(ident, body[0])
+                authorize(self.access, who, request)
             reply_to = ReplyTo(self, ident, command, started)
-            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to)
-            if isinstance(request, Register) and asyncio.iscoroutine(result):
-                result = self._bind_on_success(ident, body[0], result)
+            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to, who)
         except SidecarError as exc:
             rid = request_id or exc.request_id
             self._send(
@@ -279,14 +313,6 @@ class Edge:
         except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
             user = ""
         return self.access.principal(ident, str(user))
-
-    async def _bind_on_success(
-        self, ident: bytes, frame: zmq.Frame, work: Coroutine[Any, Any, Reply]
-    ) -> Reply:
-        reply = await work
-        if isinstance(reply, Registered):
-            self.access.bind(ident, reply.worker, self._principal(ident, frame).user)
-        return reply
 
     def _peek_id(self, header: memoryview) -> int:
         try:

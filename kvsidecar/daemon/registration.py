@@ -24,7 +24,7 @@ import torch
 
 from kvsidecar import __version__
 from kvsidecar.core import layout
-from kvsidecar.daemon.access import AccessControl  # security
+from kvsidecar.daemon.access import AccessControl, EngineId, Principal  # security
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
@@ -97,20 +97,32 @@ class Registration:
             worker.lease_deadline = deadline
         return Ok(id=req.id)
 
-    def _grant(self, req: Grant) -> Ok:
+    def _grant(self, req: Grant, who: Principal) -> Ok:
         """Let ``req.grantee`` use the owner's engine (read and/or write; see `access`)."""
         self.registry.worker(req.owner)
         if not req.grantee:
             raise SidecarError("invalid_message", "grantee must not be empty")
-        self.access.grant(req.owner.engine_id, req.grantee, read=req.read, write=req.write)
+        owner = self.registry.engine(req.owner.engine_id)
+        self.access.grant(
+            EngineId(owner.engine_id, owner.epoch),
+            req.grantee,
+            req.grantee_user or owner.owner,
+            read=req.read,
+            write=req.write,
+        )
         return Ok(id=req.id)
 
-    async def _register(self, req: Register) -> Reply:
+    async def _register(self, req: Register, who: Principal) -> Reply:
         ref = req.worker
+        if len(req.layers) > self.config.max_layers:
+            raise SidecarError(
+                "too_large",
+                f"{len(req.layers)} layers, more than max_layers {self.config.max_layers}",
+            )
         _check_identity(req)
         if ref in self.registry.workers:
             raise SidecarError("already_registered", f"{ref.label()} is already registered")
-        engine = self._engine_for(req)
+        engine = self._engine_for(req, who)  # sizes checked: nothing allocated or mapped yet
         buffers, conn_id = await self._map_layers(req)
         layers: dict[str, LayerBuffer] = {}
         device: BufferSet | None = None
@@ -120,7 +132,7 @@ class Registration:
                 layers[spec.name] = LayerBuffer.map(spec.name, spec.descriptor, mapped)
             device = BufferSet((ref, "device"), layers)
             if engine.host_blocks > 0:
-                host = self._mirror(ref, req, engine.host_blocks)
+                host = self._mirror(ref, req, engine.host_blocks, who.user)
             # Checked again: another register of the same worker may have finished meanwhile.
             if ref in self.registry.workers:
                 raise SidecarError("already_registered", f"{ref.label()} is already registered")
@@ -128,6 +140,9 @@ class Registration:
             if existing is not None and existing is not engine:
                 self._check_engine_matches(existing, req)
                 engine = existing
+            # Checked again now, with the registry as the worker joins it: the name may have
+            # been taken by another user while the fds were awaited.
+            self.access.check_register(who, ref.engine_id)
         except BaseException:
             for mapped in buffers:
                 mapped.close()
@@ -146,6 +161,10 @@ class Registration:
             epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
         )
         self.registry.add(engine, worker)
+        engine_id = EngineId(engine.engine_id, engine.epoch)
+        if existing is None:
+            self.access.engine_created(engine_id, engine.owner)
+        self.access.bind(who, ref, engine_id)
         # completions + metrics: reports carry this registration's epoch; engine series at 0
         epoch = self.completions.worker_registered(
             ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
@@ -168,13 +187,22 @@ class Registration:
             epoch=epoch,
         )
 
-    def _engine_for(self, req: Register) -> Engine:
+    def _engine_for(self, req: Register, who: Principal) -> Engine:
+        """Return the engine the worker joins (or a new one); its mirror's size checked first."""
         existing = self.registry.engines.get(req.worker.engine_id)
         if existing is not None:
             self._check_engine_matches(existing, req)
+            self._check_mirror(req, existing.host_blocks, who.user)
             return existing
         if req.host_blocks < 0:
             raise SidecarError("invalid_message", "host_blocks must be >= 0")
+        if req.host_blocks > self.config.max_host_blocks:
+            raise SidecarError(
+                "too_large",
+                f"host_blocks {req.host_blocks} is more than max_host_blocks "
+                f"{self.config.max_host_blocks}",
+            )
+        self._check_mirror(req, req.host_blocks, who.user)
         return Engine(
             engine_id=req.worker.engine_id,
             model_hash=req.model_hash,
@@ -183,6 +211,8 @@ class Registration:
             dcp_size=req.dcp_size,
             host_blocks=req.host_blocks,
             allocator=BlockIdAllocator(req.host_blocks) if req.host_blocks > 0 else None,
+            epoch=next(self._epochs),
+            owner=who.user,
         )
 
     @staticmethod
@@ -253,23 +283,45 @@ class Registration:
             raise
         return conns.pop(), fds
 
-    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int) -> BufferSet:
-        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
-        if self._pool is None:
+    def _check_mirror(self, req: Register, host_blocks: int, user: str) -> int:
+        """Return the bytes of the worker's host mirror; ``pool_exhausted`` if they cannot fit.
+
+        Pure arithmetic on the descriptors, checked against the pool and ``user``'s quota
+        (``host_pool_user_bytes``) before anything is allocated or mapped.
+        """
+        if host_blocks == 0:
+            return 0
+        pool = self._pool
+        if pool is None:
             raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
-        descs: list[tuple[str, BufferDescriptor, int]] = []
-        for spec in req.layers:
-            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
-            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
-        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
-        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
+        need = sum(pitch for _, _, _, pitch in _mirror_layers(req, host_blocks))
+        if need > pool.capacity_bytes:
+            raise SidecarError(
+                "pool_exhausted",
+                f"a host mirror of {need} bytes is larger than the pool ({pool.capacity_bytes})",
+            )
+        quota = self.config.host_pool_user_bytes
+        if quota and pool.used_by(user) + need > quota:
+            raise SidecarError(
+                "pool_exhausted",
+                f"{user} holds {pool.used_by(user)} host-pool bytes; {need} more would pass its "
+                f"quota of {quota} (host_pool_user_bytes)",
+            )
+        return need
+
+    def _mirror(self, ref: WorkerRef, req: Register, host_blocks: int, user: str) -> BufferSet:
+        """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
+        self._check_mirror(req, host_blocks, user)  # again: others may have reserved meanwhile
+        assert self._pool is not None
+        descs = _mirror_layers(req, host_blocks)
+        pitches = [pitch for _, _, _, pitch in descs]
         try:
-            extent = self._pool.reserve(sum(pitches))
+            extent = self._pool.reserve(sum(pitches), owner=user)
         except HandleError as exc:
             raise SidecarError("pool_exhausted", str(exc)) from None
         layers = {}
         offset = 0
-        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
+        for name, desc, nbytes, pitch in descs:
             buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
             layers[name] = LayerBuffer.map(name, desc, buf)
             offset += pitch
@@ -281,8 +333,9 @@ class Registration:
 
     async def _release(self, ref: WorkerRef, why: str) -> None:
         """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
+        engine = self.registry.engines.get(ref.engine_id)
         worker = self.registry.remove(ref)
-        if worker is None:
+        if worker is None or engine is None:
             return
         # completions + metrics: what waited for this worker completes (receiving: failed)
         self.completions.worker_departed(ref, why)
@@ -295,7 +348,7 @@ class Registration:
                 fut.cancel()
         self.access.unbind(ref)
         if ref.engine_id not in self.registry.engines:
-            self.access.drop_engine(ref.engine_id)
+            self.access.drop_engine(EngineId(engine.engine_id, engine.epoch))
         if self._executor is not None:
             keys: set[Hashable] = {worker.device.key}
             if worker.host is not None:
@@ -393,3 +446,14 @@ def daemon_capabilities() -> tuple[str, ...]:
         else:
             found.append("cuda_vmm")
     return tuple(sorted(found))
+
+
+def _mirror_layers(req: Register, host_blocks: int) -> list[tuple[str, BufferDescriptor, int, int]]:
+    """Each layer of a host mirror: name, descriptor, bytes, and its 4 KiB-aligned pitch."""
+    out = []
+    for spec in req.layers:
+        desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
+        nbytes = layout.buffer_nbytes(desc)
+        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
+        out.append((spec.name, desc, nbytes, -(-nbytes // 4096) * 4096))
+    return out

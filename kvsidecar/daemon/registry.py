@@ -145,6 +145,10 @@ class Engine:
     host_blocks: int
     allocator: BlockIdAllocator | None
     workers: dict[WorkerRef, Worker] = field(default_factory=dict)
+    epoch: int = 0
+    """The epoch of the registration that created it: with the name, its identity for rights."""
+    owner: str = ""
+    """The transport user that created it (``uid:<n>``, ``curve:<key>``): only it may join."""
 
     def host_used(self) -> int:
         """Host blocks currently allocated to this engine."""

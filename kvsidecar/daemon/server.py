@@ -30,8 +30,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -44,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl  # security
+from kvsidecar.daemon.access import AccessControl, Principal  # security
 from kvsidecar.daemon.admission import Admission  # reliability
 from kvsidecar.daemon.auth import (
     CONTROL_DOMAIN,
@@ -65,6 +63,8 @@ from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registration, _check_version, daemon_capabilities
 from kvsidecar.daemon.registry import Registry, check_epoch
+from kvsidecar.daemon.replies import ReplyBudget
+from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
@@ -117,6 +117,10 @@ class Daemon(Edge, Registration, Commands):
         """Held around every use of ``_sock``: copy threads send replies on it too (`ReplyTo`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd_server: FdChannelServer | None = None
+        self._lock_fd: int | None = None
+        """The runtime directory's lock (`lock_runtime_dir`), held while serving."""
+        self._bound = False
+        """True once the control socket is bound (shutdown removes an ipc path only then)."""
         self._pool: HostPool | None = None
         self._executor: CopyExecutor | None = None
         self.peer: PeerService | None = None
@@ -138,9 +142,11 @@ class Daemon(Edge, Registration, Commands):
         self.observability = Observability(config)
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
         # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
-        self.access = AccessControl(exists=self.registry.engines.__contains__)
+        self.access = AccessControl(lookup=self.registry.engines.get)
         """Connection -> engine bindings and sharing grants."""
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
+        self.reply_budget = ReplyBudget(config.max_reply_bytes)
+        """Bytes of large replies waiting for their readers (`kvsidecar.daemon.replies`)."""
         self.zap: ZapHandler | None = None
         """Authenticates connections (peer uid on ipc, CURVE key on tcp); set in startup."""
         self.insecure_transport = False
@@ -201,8 +207,9 @@ class Daemon(Edge, Registration, Commands):
         """Create the runtime dir, allocate the pool, bind the sockets, start the lease sweeper."""
         cfg = self.config
         check_cuda(cfg.require_cuda)  # before anything is bound or allocated: fail fast
-        _private_dir(Path(cfg.runtime_dir))
-        _refuse_if_running(cfg.fd_socket)
+        private_dir(Path(cfg.runtime_dir))
+        self._lock_fd = lock_runtime_dir(cfg.runtime_dir)
+        refuse_if_running(cfg.fd_socket, cfg.ipc_path)
         if cfg.ipc_path is not None:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
             Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -228,6 +235,7 @@ class Daemon(Edge, Registration, Commands):
         # requests get a typed too_large reply from `_on_message`.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)
         zmqio.bind_or_close(sock, cfg.endpoint, "control endpoint")
+        self._bound = True  # from here on the ipc socket file is ours to remove
         if cfg.ipc_path is not None:
             os.chmod(cfg.ipc_path, 0o600)
         self._sock = sock
@@ -311,9 +319,13 @@ class Daemon(Edge, Registration, Commands):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if self.config.ipc_path is not None:
+        if self.config.ipc_path is not None and self._bound:
+            # Only the socket this daemon bound: a refused start must not remove a live one's.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ipc_path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         # Last: /readyz answers "draining" for as long as the drain above runs.
         self.completions.close()
         await self.observability.close()
@@ -328,8 +340,13 @@ class Daemon(Edge, Registration, Commands):
             raise SidecarError("shutting_down", "node-to-node transfer is not running")
         return self.peer
 
-    def _dispatch(self, req: Request, data: list[memoryview], reply_to: ReplyTo) -> Dispatched:
+    def _dispatch(
+        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
+    ) -> Dispatched:
         """Answer a request inline (a reply and its data frames), or return what answers later.
+
+        ``who`` sent it (`authorize` already let it through); registrations, grants and pulls
+        need it again further on.
 
         That is a coroutine (run as a task), the future of a peer pull's reply, or for copy
         jobs their outcome (the job answers through ``reply_to`` itself).
@@ -349,7 +366,7 @@ class Daemon(Edge, Registration, Commands):
             case Move():
                 return self._move(req, data, reply_to)
             case Grant():  # security
-                return self._grant(req), ()
+                return self._grant(req, who), ()
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 job = prepare_fix(self.registry, req, ids)
@@ -358,7 +375,12 @@ class Daemon(Edge, Registration, Commands):
             case Pull():
                 remote = self._ids(data[0], req.ids_dtype, "remote block")
                 local = self._ids(data[1], req.ids_dtype, "local block")
-                return self._peer_service().pull(req, remote, local)
+
+                # A pull served by this very daemon reads its own engines: rights as for a move.
+                def may_read(engine_id: str) -> bool:
+                    return self.access.may(who, engine_id, write=False)
+
+                return self._peer_service().pull(req, remote, local, may_read)
             case Publish():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 return self._peer_service().publish(req, ids), ()
@@ -373,7 +395,7 @@ class Daemon(Edge, Registration, Commands):
             # --- end completions ---
             case Register():
                 _check_version(req.protocol_version)
-                return self._register(req)
+                return self._register(req, who)
             case Unregister():
                 check_epoch(self.registry.worker(req.worker), req.epoch)
                 return self._unregister(req)
@@ -408,36 +430,6 @@ class Daemon(Edge, Registration, Commands):
         self.completions.on_peer_event(event)
         if self.peer is not None:
             self.peer.completions.append(event)
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) or check that an existing one is ours and private.
-
-    A directory shared with others (a Kubernetes emptyDir: root-owned, mode 0777) is refused;
-    name a subdirectory of it instead, which the daemon then creates as its own.
-    """
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise SystemExit(
-            f"kvsidecar: {path} belongs to uid {st.st_uid}, not to us; refusing it (for a shared "
-            f"directory such as an emptyDir, set runtime_dir to a subdirectory, e.g. {path}/daemon)"
-        )
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-
-
-def _refuse_if_running(fd_socket: str) -> None:
-    """Fail fast when another daemon already serves this runtime directory."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(fd_socket)
-    except OSError:
-        return
-    finally:
-        probe.close()
-    raise SystemExit(f"kvsidecar: a daemon already listens on {fd_socket}")
 
 
 async def serve(config: Config) -> None:

@@ -15,6 +15,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
 from kvsidecar.memory.base import HandleError
@@ -29,15 +30,17 @@ class Extent:
     kind: ClassVar[Literal["host_pool"]] = "host_pool"
     """Where the bytes live."""
 
-    __slots__ = ("_flat", "_pool", "nbytes", "offset")
+    __slots__ = ("_flat", "_pool", "nbytes", "offset", "owner")
 
-    def __init__(self, pool: HostPool, offset: int, flat: torch.Tensor) -> None:
+    def __init__(self, pool: HostPool, offset: int, flat: torch.Tensor, owner: str = "") -> None:
         self._pool: HostPool | None = pool
         self._flat: torch.Tensor | None = flat
         self.offset = offset
         """Byte offset of the extent within the arena."""
         self.nbytes = flat.numel()
         """Length of the extent in bytes."""
+        self.owner = owner
+        """Who it was reserved for (`HostPool.used_by` counts per owner)."""
 
     @property
     def flat(self) -> torch.Tensor:
@@ -103,6 +106,7 @@ class HostPool:
         self._free_len: list[int] = [capacity_bytes]
         self._used: dict[int, Extent] = {}
         self._used_bytes = 0
+        self._by_owner: dict[str, int] = {}
 
     @property
     def arena(self) -> torch.Tensor:
@@ -116,6 +120,10 @@ class HostPool:
         """Bytes currently reserved (alignment padding not counted: it stays free)."""
         return self._used_bytes
 
+    def used_by(self, owner: str) -> int:
+        """Bytes currently reserved for ``owner`` (quotas are checked against it)."""
+        return self._by_owner.get(owner, 0)
+
     @property
     def free_bytes(self) -> int:
         """Bytes not reserved (possibly fragmented)."""
@@ -125,8 +133,8 @@ class HostPool:
         """Return the free list as ``(offset, nbytes)`` pairs, sorted and never adjacent."""
         return list(zip(self._free_off, self._free_len, strict=True))
 
-    def reserve(self, nbytes: int, *, align: int = 4096) -> Extent:
-        """Reserve ``nbytes`` whose address is a multiple of ``align`` (first fit).
+    def reserve(self, nbytes: int, *, align: int = 4096, owner: str = "") -> Extent:
+        """Reserve ``nbytes`` whose address is a multiple of ``align`` (first fit), for ``owner``.
 
         Raises `HandleError` ``pool_exhausted`` when no free range fits, ``bad_request`` for a
         size <= 0 or an alignment that is not a power of two.
@@ -145,9 +153,10 @@ class HostPool:
             pieces = [(o, n) for o, n in ((off, start - off), (end, off + size - end)) if n > 0]
             self._free_off[i : i + 1] = [o for o, _ in pieces]
             self._free_len[i : i + 1] = [n for _, n in pieces]
-            extent = Extent(self, start, arena[start:end])
+            extent = Extent(self, start, arena[start:end], owner)
             self._used[start] = extent
             self._used_bytes += nbytes
+            self._by_owner[owner] = self._by_owner.get(owner, 0) + nbytes
             return extent
         raise HandleError(
             "pool_exhausted",
@@ -165,6 +174,9 @@ class HostPool:
         del self._used[extent.offset]
         extent._detach()
         self._used_bytes -= extent.nbytes
+        left = self._by_owner.pop(extent.owner, 0) - extent.nbytes
+        if left > 0:
+            self._by_owner[extent.owner] = left
         off, size = extent.offset, extent.nbytes
         i = bisect.bisect_left(self._free_off, off)
         if i < len(self._free_off) and off + size == self._free_off[i]:
@@ -224,50 +236,54 @@ def layer_views(
 class BlockIdAllocator:
     """Host block ids ``0 .. capacity-1`` of one engine, handed out all-or-nothing.
 
-    Each id indexes a block in every worker's mirror of that engine at once.
+    Each id indexes a block in every worker's mirror of that engine at once. The free ids are a
+    numpy stack (4 bytes an id, built in one call): an engine of millions of host blocks costs
+    megabytes and milliseconds, not a list of Python ints.
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise HandleError("bad_request", f"capacity must be >= 0, not {capacity}")
+        if not 0 <= capacity < 1 << 31:
+            raise HandleError("bad_request", f"capacity must be in [0, 2**31), not {capacity}")
         self.capacity = capacity
         """Number of ids."""
-        # A stack: popping from the end hands out low ids first, which keeps runs contiguous.
-        self._free = list(range(capacity - 1, -1, -1))
-        self._allocated = bytearray(capacity)
+        # A stack: taking from the end hands out low ids first, which keeps runs contiguous.
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int32)
+        self._top = capacity
+        self._allocated = np.zeros(capacity, dtype=bool)
 
     @property
     def num_free(self) -> int:
         """Ids available."""
-        return len(self._free)
+        return self._top
 
     @property
     def num_used(self) -> int:
         """Ids handed out and not yet freed."""
-        return self.capacity - len(self._free)
+        return self.capacity - self._top
 
     def alloc(self, count: int) -> list[int]:
         """Hand out ``count`` ids, or none: ``pool_exhausted`` if fewer than ``count`` are free."""
         if count < 0:
             raise HandleError("bad_request", f"cannot allocate {count} ids")
-        if count > len(self._free):
-            raise HandleError(
-                "pool_exhausted", f"{count} host blocks asked, {len(self._free)} free"
-            )
-        ids = self._free[len(self._free) - count :][::-1]
-        del self._free[len(self._free) - count :]
-        for i in ids:
-            self._allocated[i] = 1
-        return ids
+        if count > self._top:
+            raise HandleError("pool_exhausted", f"{count} host blocks asked, {self._top} free")
+        ids = self._free[self._top - count : self._top][::-1].copy()
+        self._top -= count
+        self._allocated[ids] = True
+        out: list[int] = ids.tolist()
+        return out
 
     def free(self, ids: Iterable[int]) -> None:
         """Give ids back; all are checked first, so a bad list frees nothing (``not_allocated``)."""
-        ids = list(ids)
-        seen: set[int] = set()
-        for i in ids:
-            if not 0 <= i < self.capacity or not self._allocated[i] or i in seen:
-                raise HandleError("not_allocated", f"host block {i} is not allocated")
-            seen.add(i)
-        for i in ids:
-            self._allocated[i] = 0
-        self._free.extend(reversed(ids))
+        arr = np.fromiter(ids, dtype=np.int64)
+        bad = (arr < 0) | (arr >= self.capacity)
+        if bad.any():
+            raise HandleError("not_allocated", f"host block {int(arr[bad][0])} is not allocated")
+        taken = self._allocated[arr]
+        if not taken.all():
+            raise HandleError("not_allocated", f"host block {int(arr[~taken][0])} is not allocated")
+        if np.unique(arr).size != arr.size:
+            raise HandleError("not_allocated", "a host block appears twice in the list")
+        self._allocated[arr] = False
+        self._free[self._top : self._top + arr.size] = arr[::-1]
+        self._top += arr.size

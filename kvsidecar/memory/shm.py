@@ -1,9 +1,11 @@
 """CPU shared memory between a worker and the daemon, by file descriptor.
 
-The worker's tensors live in memory backed by an unlinked file (torch's ``file_descriptor``
-strategy, or a memfd from `allocate_shared`). Such a file has no name: nothing can be left behind in
-``/dev/shm`` whichever process dies, and the kernel frees the pages when the last fd and the last
-mapping are gone. The fd itself crosses to the daemon over the fd channel (`fd_channel`); the
+The worker's tensors live in a memfd sealed against shrinking (`allocate_shared`; a storage that
+torch's ``file_descriptor`` strategy put in an unlinked ``/dev/shm`` file is moved into one at
+export). Such a file has no name: nothing can be left behind in ``/dev/shm`` whichever process
+dies, and the kernel frees the pages when the last fd and the last mapping are gone. The seal is
+what the daemon insists on: memory that its sender could truncate would SIGBUS the daemon's
+copies. The fd itself crosses to the daemon over the fd channel (`fd_channel`); the
 `ShmHandle` that travels in the registration message says which part of that file a tensor covers.
 
 torch's private storage APIs are used here and nowhere else in the package.
@@ -27,6 +29,8 @@ from kvsidecar.wire.types import ShmRef
 
 _Storage: Any = torch.UntypedStorage
 """torch's private storage APIs behind one untyped name (torch has no stubs for them)."""
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """A sealed memfd cannot be shrunk under the daemon's mapping (which would SIGBUS its copies)."""
@@ -67,17 +71,53 @@ def allocate_shared(nbytes: int) -> torch.Tensor:
     """
     if nbytes <= 0:
         raise HandleError("bad_request", f"cannot allocate {nbytes} bytes")
+    flat = _as_flat(_sealed_storage(nbytes))
+    flat.zero_()
+    return flat
+
+
+def _sealed_storage(nbytes: int) -> torch.UntypedStorage:
+    """Return a storage of ``nbytes`` in a new memfd sealed against shrinking and growing."""
     fd = os.memfd_create("kvsidecar", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         # torch dup()s the fd and keeps the dup for export, so ours is closed in any case.
-        storage = _Storage._new_shared_fd_cpu(fd, nbytes)
+        storage: torch.UntypedStorage = _Storage._new_shared_fd_cpu(fd, nbytes)
     finally:
         os.close(fd)
-    flat = _as_flat(storage)
-    flat.zero_()
-    return flat
+    return storage
+
+
+def _is_sealed(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
+
+
+def _reseal(storage: torch.UntypedStorage) -> int:
+    """Move an fd-shared storage into a sealed memfd, in place; return the new fd.
+
+    torch's file_descriptor strategy keeps shared storages in unlinked ``/dev/shm`` files, which
+    cannot be sealed, and the daemon refuses memory that can shrink under it (a truncation would
+    SIGBUS its copies). The bytes are copied once into a sealed memfd and the storage's data
+    pointer is swapped, just as ``share_memory_()`` itself moves a storage: every tensor that
+    views the storage follows. Processes that mapped the old file keep the old memory, so
+    register before sharing the cache elsewhere (or allocate it with `allocate_kv_caches`).
+    """
+    swap = getattr(storage, "_swap_data_ptr_", None)
+    if swap is None:  # torch too old to move a storage in place
+        raise HandleError(
+            "not_shared",
+            "torch's fd-strategy memory can shrink and this torch cannot move it into a sealed "
+            "memfd: allocate the cache with kvsidecar.memory.allocate_kv_caches()",
+        )
+    fresh = _sealed_storage(storage.nbytes())
+    _as_flat(fresh).copy_(_as_flat(storage))
+    swap(fresh)  # ``fresh`` now holds the old memory, freed with it
+    fd: int = _Storage._get_shared_fd(storage)
+    return fd
 
 
 def allocate_kv_caches(
@@ -119,7 +159,6 @@ def _shared_fd(t: torch.Tensor) -> int:
         )
     try:
         fd: int = _Storage._get_shared_fd(storage)
-        return fd
     except RuntimeError:
         # Shared by name (torch's file_system strategy): _share_fd_cpu_() would copy it into new
         # memory behind the engine's back, so refuse instead.
@@ -128,6 +167,7 @@ def _shared_fd(t: torch.Tensor) -> int:
             "the tensor is shared by file name (torch's file_system strategy); use the "
             "file_descriptor strategy or allocate_shared()",
         ) from None
+    return fd if _is_sealed(fd) else _reseal(storage)
 
 
 def export_tensor(t: torch.Tensor) -> tuple[ShmHandle, int]:
@@ -168,6 +208,30 @@ def _check_handle(handle: ShmHandle) -> None:
         raise HandleError("bad_handle", f"tensor bytes run past the end of its storage: {handle}")
 
 
+def _require_unshrinkable(fd: int, st: os.stat_result) -> None:
+    """Refuse memory whose sender could still take pages away from under the daemon's mapping.
+
+    Truncating a mapped file makes the next access to the lost pages raise SIGBUS, which would
+    kill the daemon and every engine with it. Only a memfd sealed with ``F_SEAL_SHRINK`` is
+    guaranteed to keep its size; files on disk or on tmpfs (torch's own fd-strategy storages are
+    unlinked ``/dev/shm`` files) cannot be sealed. Huge-page memfds are refused too: a fault
+    on a hole punched into one fails with SIGBUS when no huge page is free.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a memfd at all: a file on disk
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise HandleError(
+            "bad_fd",
+            "the memory can shrink under the daemon (only a memfd sealed with F_SEAL_SHRINK is "
+            "accepted; kvsidecar.memory.allocate_shared makes one, and the client seals "
+            "share_memory_() storages at registration)",
+        )
+    if st.st_blksize != _PAGE:
+        raise HandleError("bad_fd", f"huge-page memory (block size {st.st_blksize}) is refused")
+
+
 def _map_fd(fd: int, nbytes: int) -> torch.Tensor:
     """Map ``nbytes`` of a received fd; the fd is only borrowed (torch keeps its own dup)."""
     try:
@@ -176,6 +240,7 @@ def _map_fd(fd: int, nbytes: int) -> torch.Tensor:
         raise HandleError("bad_fd", f"fd {fd} is not open: {e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise HandleError("bad_fd", "the fd is not a shared-memory file")
+    _require_unshrinkable(fd, st)
     if st.st_size < nbytes:
         # Mapping past the end of the file would SIGBUS the first copy that touches it.
         raise HandleError("bad_fd", f"file has {st.st_size} bytes, handle claims {nbytes}")

@@ -86,6 +86,9 @@ class PeerLink:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self.connected = False
+        self.lost = False
+        """True once an established connection dropped: the link then refuses new requests
+        (`PeerService.link` replaces it), so nothing waits on a dead peer."""
         self._tasks = [
             asyncio.create_task(self._read_loop(), name=f"peer-link-{endpoint}"),
             asyncio.create_task(self._monitor_loop(), name=f"peer-monitor-{endpoint}"),
@@ -107,8 +110,7 @@ class PeerLink:
 
         Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused` (`PeerError`).
         """
-        if self.closed:
-            raise PeerGone(f"link to {self.endpoint} is closed")
+        self._check_usable()
         fut: asyncio.Future[PeerReply] = asyncio.get_running_loop().create_future()
         self._pending[msg.id] = _Pending(fut, dests)
         try:
@@ -126,9 +128,17 @@ class PeerLink:
 
     async def send(self, msg: PeerRequest) -> None:
         """Send a message that has no reply (a notification)."""
+        self._check_usable()
+        await self._sock.send(self._encoder.encode(msg))
+
+    def _check_usable(self) -> None:
         if self.closed:
             raise PeerGone(f"link to {self.endpoint} is closed")
-        await self._sock.send(self._encoder.encode(msg))
+        if self.lost:
+            # Requests that were still waiting for a slot when the connection dropped fail now,
+            # like the ones in flight, not at their deadline (libzmq would queue them for a
+            # reconnection to a peer that is most likely dead).
+            raise PeerGone(f"connection to {self.endpoint} lost")
 
     async def _read_loop(self) -> None:
         sock = self._sock
@@ -179,6 +189,7 @@ class PeerLink:
                 self.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
+                self.lost = True
                 self.fail_all(PeerGone(f"connection to {self.endpoint} lost"))
 
     def fail_all(self, exc: Exception) -> None:

@@ -21,11 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.registry import Engine, Registry
 from kvsidecar.peer.messages import Notify, PeerError, ReadBlocks
+from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
@@ -47,6 +49,8 @@ class _Held:
     published: bool = False
     expected: int = 1
     readers: dict[tuple[int, int], set[str]] = field(default_factory=dict)
+    blocks: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """The published block ids, sorted and unique: the only blocks a read may reach."""
 
 
 class Producer:
@@ -74,6 +78,7 @@ class Producer:
         held = self._held.setdefault(key, _Held(deadline=0.0))
         held.published = True
         held.deadline = time.monotonic() + lease
+        held.blocks = np.union1d(held.blocks, ids.astype(np.int64))
         self._expired.pop(key, None)
         self._check_sent(key)
         return Ok(id=req.id)
@@ -125,11 +130,17 @@ class Producer:
         """Answer a ZMQ-plane read: the reply and its data frames, or a `PeerError`."""
         if len(data) != 1:
             return PeerError(id=msg.id, code="bad_message", message="a read has 1 frame"), []
-        if (msg.engine_id, msg.request_id) in self._expired:
+        held = self._held.get((msg.engine_id, msg.request_id))
+        if held is None or not held.published or held.deadline <= time.monotonic():
+            # Only a published request within its lease opens blocks to readers: not an id
+            # never published, not one past its lease, not one forgotten since.
+            why = (
+                "was released when its lease expired"
+                if (msg.engine_id, msg.request_id) in self._expired
+                else "is not published here (never, or its lease ended)"
+            )
             return PeerError(
-                id=msg.id,
-                code="expired",
-                message=f"request {msg.request_id!r} was released when its lease expired",
+                id=msg.id, code="expired", message=f"request {msg.request_id!r} {why}"
             ), []
         worker = next(
             (
@@ -146,7 +157,9 @@ class Producer:
                 code="unknown_worker",
                 message=f"no worker {msg.engine_id}/tp{msg.tp_rank}.pp{msg.pp_rank}",
             ), []
-        reply, frames = serve_read(msg, data[0].buffer, worker.device.layers, _MAX_RANGES)
+        reply, frames = serve_read(
+            msg, data[0].buffer, worker.device.layers, _MAX_RANGES, blocks=held.blocks
+        )
         if not isinstance(reply, PeerError):
             self.bytes_served_total += reply.nbytes
         return reply, frames

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -72,9 +72,16 @@ class ItemIds(NamedTuple):
 
 
 def check_pull(
-    service: PeerService, req: Pull, remote_ids: IdArray, local_ids: IdArray
+    service: PeerService,
+    req: Pull,
+    remote_ids: IdArray,
+    local_ids: IdArray,
+    may_read: Callable[[str], bool],
 ) -> PeerPull:
-    """Check a pull completely against this daemon (typed errors, nothing sent)."""
+    """Check a pull completely against this daemon (typed errors, nothing sent).
+
+    ``may_read`` decides on the remote engine when the remote daemon is this one.
+    """
     engine = service.registry.engine(req.engine_id)
     if not req.remote_endpoint.startswith(("tcp://", "ipc://")):
         raise SidecarError("invalid_message", "remote_endpoint must be tcp:// or ipc://")
@@ -103,7 +110,7 @@ def check_pull(
             strict=True,
         )
     ]
-    return PeerPull(service, req, local, ranks, items, timeout)
+    return PeerPull(service, req, local, ranks, items, timeout, may_read)
 
 
 def _local_ranks(
@@ -169,6 +176,8 @@ class PeerPull:
     ranks: list[LocalRank]
     items: list[ItemIds]
     timeout: float
+    may_read: Callable[[str], bool]
+    """Whether the sender may read an engine of this daemon (`check_pull`)."""
     started: float = 0.0
     deadline: float = 0.0
     """Loop time by which every step is done (set by `run`)."""
@@ -245,6 +254,14 @@ class PeerPull:
 
     def _remote_engine(self, welcome: PeerWelcome) -> PeerEngine:
         req = self.req
+        if welcome.daemon_id == self.service.daemon_id and not self.may_read(req.remote_engine_id):
+            # This daemon's own peer endpoint, however spelled: its engines are read like a
+            # move's source, with the sender's rights.
+            self._report_failed()
+            raise SidecarError(
+                "forbidden",
+                f"pull from this daemon's own engine {req.remote_engine_id!r}: no grant to read it",
+            )
         remote = next((e for e in welcome.engines if e.engine_id == req.remote_engine_id), None)
         if remote is None:
             self._report_failed()

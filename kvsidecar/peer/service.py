@@ -94,6 +94,7 @@ class PeerService:
         self._sock: zmq.asyncio.Socket | None = None
         self._links: dict[str, PeerLink] = {}
         self._tasks: list[asyncio.Task[Any]] = []
+        self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerRequest)
 
@@ -162,6 +163,7 @@ class PeerService:
         for link in list(self._links.values()):
             await link.close()
         self._links.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -194,10 +196,18 @@ class PeerService:
         return self.producer.publish(req, ids)
 
     def pull(
-        self, req: Pull, remote_ids: IdArray, local_ids: IdArray
+        self,
+        req: Pull,
+        remote_ids: IdArray,
+        local_ids: IdArray,
+        may_read: Callable[[str], bool] = lambda _: True,
     ) -> Coroutine[Any, Any, Reply]:
-        """Check a pull completely (typed errors, nothing sent), then return its coroutine."""
-        return check_pull(self, req, remote_ids, local_ids).run()
+        """Check a pull completely (typed errors, nothing sent), then return its coroutine.
+
+        ``may_read(engine_id)``: whether the sender may read one of this daemon's engines; asked
+        when the remote daemon turns out to be this one.
+        """
+        return check_pull(self, req, remote_ids, local_ids, may_read).run()
 
     # ------------------------------------------------------------------ peer endpoint
 
@@ -278,7 +288,9 @@ class PeerService:
     def link(self, endpoint: str) -> PeerLink:
         """Return the link to the daemon at ``endpoint``; connect on first use or after a drop."""
         link = self._links.get(endpoint)
-        if link is None or link.closed:
+        if link is not None and link.lost and not link.closed:
+            self._spawn_close(link)
+        if link is None or link.closed or link.lost:
             assert self._ctx is not None
             link = PeerLink(
                 self._ctx,
@@ -288,6 +300,12 @@ class PeerService:
             )
             self._links[endpoint] = link
         return link
+
+    def _spawn_close(self, link: PeerLink) -> None:
+        """Close a link whose connection was lost, in the background (it holds two sockets)."""
+        task = asyncio.get_running_loop().create_task(link.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def drop_link(self, endpoint: str) -> None:
         """Close the link to ``endpoint``; the next pull from it connects afresh."""

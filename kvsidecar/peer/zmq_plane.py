@@ -133,9 +133,19 @@ class ZmqPlane(DataPlane):
 
 
 def serve_read(
-    msg: ReadBlocks, frame: memoryview, layers: dict[str, LayerBuffer], max_ranges: int
+    msg: ReadBlocks,
+    frame: memoryview,
+    layers: dict[str, LayerBuffer],
+    max_ranges: int,
+    *,
+    blocks: npt.NDArray[np.int64],
 ) -> tuple[ReadData | PeerError, list[Any]]:
-    """Check a `ReadBlocks` against a worker's layers; return the reply and its data frames."""
+    """Check a `ReadBlocks` against a worker's layers; return the reply and its data frames.
+
+    Every range must lie inside its layer buffer and inside the rows of ``blocks``, the
+    request's published block ids (sorted, unique): a reader gets what was published, nothing
+    next to it.
+    """
     if frame.nbytes % (3 * _RANGE.itemsize):
         return _refuse(msg, "bad_message", f"range frame of {frame.nbytes} bytes"), []
     ranges = np.frombuffer(frame, dtype=_RANGE).reshape(-1, 3)
@@ -153,14 +163,53 @@ def serve_read(
     sizes = np.array([b.mapped.nbytes for b in bufs], dtype=np.int64)
     if idx.min() < 0 or idx.max() >= len(bufs):
         return _refuse(msg, "out_of_range", "layer index outside the named layers"), []
-    if off.min() < 0 or n.min() <= 0 or np.any(off + n > sizes[idx]):
+    size = sizes[idx]
+    # Never ``off + n``: with a length near 2**63 the sum wraps round to a small number.
+    if off.min() < 0 or n.min() <= 0 or np.any(off > size) or np.any(n > size - off):
         return _refuse(msg, "out_of_range", "a range runs outside its layer buffer"), []
+    if not published_only(ranges, bufs, blocks):
+        return _refuse(msg, "out_of_range", "a range reaches outside the published blocks"), []
     try:
         views = [as_bytes(b) for b in bufs]
     except ValueError as exc:
         return _refuse(msg, "unsupported", str(exc)), []
     frames = [views[i][o : o + k] for i, o, k in ranges.tolist()]
     return ReadData(id=msg.id, nbytes=int(n.sum())), frames
+
+
+def published_only(
+    ranges: npt.NDArray[np.int64], layers: list[LayerBuffer], blocks: npt.NDArray[np.int64]
+) -> bool:
+    """Whether every ``(layer, offset, length)`` range lies inside rows of ``blocks`` only.
+
+    A layer's blocks are rows of its block views (K and V for ``kv_first``), ``stride`` bytes
+    apart; a range may span a run of consecutive rows only where the rows are dense (no padding
+    in between), and every block of the run must be published. Ranges must already lie inside
+    their buffers (no overflow below).
+    """
+    inside = np.zeros(len(ranges), dtype=bool)
+    for li, layer in enumerate(layers):
+        mine = ranges[:, 0] == li
+        if not mine.any():
+            continue
+        start = ranges[mine, 1]
+        last_byte = start + ranges[mine, 2] - 1
+        base = layer.mapped.flat.data_ptr()
+        hit = np.zeros(len(start), dtype=bool)
+        for view in layer.block_views:
+            origin = view.data_ptr() - base
+            stride, row, count = max(int(view.stride(0)), 1), int(view.shape[1]), view.shape[0]
+            first, last = (start - origin) // stride, (last_byte - origin) // stride
+            ok = (start >= origin) & (last < count)
+            ok &= (start - origin - first * stride < row) & (
+                last_byte - origin - last * stride < row
+            )
+            if stride != row:
+                ok &= first == last
+            held = np.searchsorted(blocks, last, "right") - np.searchsorted(blocks, first, "left")
+            hit |= ok & (held == last - first + 1)
+        inside[mine] = hit
+    return bool(inside.all())
 
 
 def _refuse(msg: ReadBlocks, code: Any, message: str) -> PeerError:

@@ -165,13 +165,18 @@ class Grant(_Request, tag="grant", frozen=True):
     Sent by the client that registered ``owner`` (or by an administrative client, see
     docs/reliability.md): from then on, connections of engine ``grantee`` may use ``owner``'s
     engine as a move source (``read``) and/or destination (``write``). ``read`` and ``write``
-    both False revoke. Grants end with the owner engine (when its last worker is released).
+    both False revoke. Grants end with the owner engine (when its last worker is released) and
+    with the grantee engine: a later engine of the same name does not inherit them.
     """
 
     owner: WorkerRef
     grantee: str
     read: bool = True
     write: bool = False
+    grantee_user: str = ""
+    """The transport user (``uid:<n>``, ``curve:<key>``) whose engine ``grantee`` is meant; ""
+    the owner engine's own user. The grant holds that user's engine of that name only, as
+    registered now or, if none is, the next one to register, and ends with it."""
 
 
 # --- peer (node-to-node transfer, kvsidecar/peer/): commands and replies ----------------------

@@ -62,17 +62,26 @@ header or a few ids, pyzmq's zero-copy frame object costs more than the copy (11
 8.0 µs for a 2-frame reply, measured in a hot loop)."""
 
 
-def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool | None = None) -> None:
+def send_frames(
+    sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool | None = None, track: bool = False
+) -> list[zmq.MessageTracker]:
     """Queue one multipart message without blocking (raises `zmq.Again` if the queue is full).
 
     ``copy``: None copies messages under `COPY_BELOW` bytes and sends larger ones zero-copy.
     A multipart message is queued whole or not at all, so only the first part can fail.
+    ``track`` (zero-copy sends only): return one tracker per frame, done once libzmq let go
+    of it (sent, or dropped).
     """
     if copy is None:
         copy = sum(memoryview(f).nbytes for f in frames) < COPY_BELOW
+    track = track and not copy
     last = len(frames) - 1
+    trackers = []
     for i, frame in enumerate(frames):
-        sock.send(frame, _MORE if i < last else NOBLOCK, copy=copy)
+        sent = sock.send(frame, _MORE if i < last else NOBLOCK, copy=copy, track=track)
+        if track and isinstance(sent, zmq.MessageTracker):
+            trackers.append(sent)
+    return trackers
 
 
 def bind_or_close(sock: zmq.Socket[Any], endpoint: str, what: str) -> None:

@@ -9,13 +9,13 @@ import gc
 import os
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of process ``pid`` in MiB (``VmRSS``)."""
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of process ``pid`` in MiB (``VmRSS``; ``VmHWM``: its peak so far)."""
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid} (a zombie?)")
+    raise RuntimeError(f"no {field} for pid {pid} (a zombie?)")
 
 
 def shm_entries() -> set[str]:
