@@ -18,9 +18,16 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
     raise RuntimeError(f"no {field} for pid {pid} (a zombie?)")
 
 
+_FOREIGN = ("psm_", "sem.")
+"""Names Python's ``multiprocessing`` gives its segments and semaphores. Neither kvsidecar nor its
+tests use it, but other programs on a shared machine do (a vLLM engine started meanwhile), and
+their segments come and go on their own schedule."""
+
+
 def shm_entries() -> set[str]:
-    """The names in ``/dev/shm``: a test that leaves one behind leaked a segment."""
-    return set(os.listdir("/dev/shm"))
+    """The names in ``/dev/shm`` that kvsidecar or torch could create: a test that leaves one
+    behind leaked a segment."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith(_FOREIGN)}
 
 
 def memfd_mappings(pid: int, name: str = "kvsidecar") -> int:
