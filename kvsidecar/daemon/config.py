@@ -160,6 +160,20 @@ SETTINGS: tuple[Setting, ...] = (
         4 << 20,
         "Bytes per read chunk on the ZMQ plane (one request/reply message).",
     ),
+    Setting(
+        "peer_streams",
+        int,
+        2,
+        "Data connections per remote daemon on the ZMQ plane, each received on its own thread "
+        "(ZeroMQ I/O threads: as many); a pull's chunks are spread over them.",
+    ),
+    Setting(
+        "peer_keep_freed_memory",
+        bool,
+        True,
+        "Have glibc keep freed memory for reuse (raised mmap/trim thresholds), so that large "
+        "ZeroMQ messages land in warm pages rather than fresh ones.",
+    ),
     # --- metrics endpoint (kvsidecar/observability.py) ---
     Setting(
         "metrics_host",
@@ -295,6 +309,8 @@ class Config:
     peer_handshake_timeout_s: float = 5.0
     peer_max_in_flight: int = 8
     peer_chunk_bytes: int = 4 << 20
+    peer_streams: int = 2
+    peer_keep_freed_memory: bool = True
     # --- metrics endpoint ---
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
@@ -350,6 +366,8 @@ class Config:
             raise ConfigError("peer_max_in_flight must be >= 1")
         if self.peer_chunk_bytes < 4096:
             raise ConfigError("peer_chunk_bytes must be >= 4096")
+        if not 1 <= self.peer_streams <= 64:
+            raise ConfigError("peer_streams must be 1..64")
         # --- metrics endpoint ---
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(
