@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -258,6 +259,11 @@ class Daemon(Edge, Registration, Commands):
         log.info(
             "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
         )
+        # What exists now (torch, numpy, sockets, settings) lives as long as the daemon: out of
+        # the cyclic collector's way, whose full passes otherwise walk it all (a profile of a
+        # 1 GiB pull found them at 12% of the consumer's and 45% of the producer's samples).
+        if os.environ.get("KVS_NO_FREEZE") != "1":
+            gc.freeze()
         self.started.set()
 
     async def shutdown(self) -> None:
