@@ -1,7 +1,8 @@
 """A producer daemon SIGKILLed in the middle of a pull: the request fails, in bounded time.
 
-Its own pair of daemons (the producer dies), ZMQ plane, one chunk in flight so that the pull of
-256 MiB is certainly still running when the producer is killed.
+Its own pair of daemons (the producer dies), ZMQ plane over three data streams, small chunks
+and few in flight so that the pull of two requests of 128 MiB is certainly still running when
+the producer is killed; both requests fail.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ BIG = {"layers": 8, "blocks": 512, "block_size": 16, "heads": 8, "head_size": 12
 def test_producer_killed_mid_transfer() -> None:
     prod_cfg = peer_config(peer_max_in_flight=1, peer_chunk_bytes=1 << 20)
     cons_cfg = peer_config(
-        peer_endpoint="", peer_max_in_flight=1, peer_chunk_bytes=1 << 20, peer_pull_timeout_s=20
+        peer_endpoint="",
+        peer_max_in_flight=3,
+        peer_streams=3,
+        peer_chunk_bytes=16 << 10,  # thousands of chunk round trips: seconds, not milliseconds
+        peer_pull_timeout_s=20,
     )
     p = {**BIG, "engine": "p", "seed": 1, "tp_size": 1, "fill": False}
     c = {**BIG, "engine": "c", "seed": 2, "tp_size": 1, "fill": False}
@@ -35,15 +40,17 @@ def test_producer_killed_mid_transfer() -> None:
         SidecarClient(cons.config.endpoint, timeout_s=30) as cc,
     ):
         ids = list(range(512))
+        halves = {"big": (ids[:256], ids[:256]), "big2": (ids[256:], ids[256:])}
         result: dict[str, Any] = {}
 
         def pull() -> None:
             start = time.monotonic()
-            result["pulled"] = cc.pull("c", prod.config.peer_endpoint, "p", {"big": (ids, ids)})
+            result["pulled"] = cc.pull("c", prod.config.peer_endpoint, "p", halves)
             result["took"] = time.monotonic() - start
 
         with SidecarClient(prod.config.endpoint) as pc:
-            pc.publish("p", "big", ids)
+            pc.publish("p", "big", ids[:256])
+            pc.publish("p", "big2", ids[256:])
             # Wait until the producer is serving reads, then kill it.
             thread = threading.Thread(target=pull)
             thread.start()
@@ -57,13 +64,13 @@ def test_producer_killed_mid_transfer() -> None:
         prod.proc.kill()
         thread.join(30)
         pulled = result["pulled"]
-        assert pulled.failed == ["big"] and pulled.finished == []
+        assert sorted(pulled.failed) == ["big", "big2"] and pulled.finished == []
         assert pulled.error_code == "peer_unavailable"
         assert len(pulled.invalid_block_ids) == 512
         # Disconnect detection fails it long before the 20 s pull timeout.
         assert result["took"] < 10, result
         (event,) = cc.take_peer_events("c")
-        assert event.failed_recving == {"big"} and len(event.invalid_block_ids) == 512
+        assert event.failed_recving == {"big", "big2"} and len(event.invalid_block_ids) == 512
         # The consumer keeps serving, and a new pull to the dead endpoint fails cleanly.
         assert cc.status().engines[0].engine_id == "c"
         again = cc.pull("c", prod.config.peer_endpoint, "p", {"again": ([1], [1])})
