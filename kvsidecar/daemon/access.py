@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     FixLayout,
@@ -168,6 +169,10 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
         case Move():
             acl.check(who, req.src.worker.engine_id, write=False, what="move source")
             acl.check(who, req.dst.worker.engine_id, write=True, what="move destination")
+        case MoveBatch():
+            for item in req.items:
+                acl.check(who, item.src.worker.engine_id, write=False, what="move source")
+                acl.check(who, item.dst.worker.engine_id, write=True, what="move destination")
         case FixLayout():
             acl.check(who, req.target.worker.engine_id, write=True, what="fix_layout")
         case HostAlloc() | HostFree():

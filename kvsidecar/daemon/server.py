@@ -69,6 +69,7 @@ from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
+from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     Collect,
@@ -350,6 +351,8 @@ class Daemon(Edge, Registration, Commands):
                 return self._host_free(req, data[0]), ()
             case Move():
                 return self._move(req, data, reply_to)
+            case MoveBatch():
+                return self._move_batch(req, data, reply_to)
             case Grant():  # security
                 return self._grant(req), ()
             case FixLayout():
