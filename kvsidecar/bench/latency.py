@@ -2,11 +2,15 @@
 
 From an `AsyncSidecarClient` on uvloop: a ``Status`` command, a 1-block move of one layer and of
 all layers (engine A -> engine B), and a raw zmq.asyncio DEALER -> ROUTER echo of the very frames
-a move request carries, served by a separate process on uvloop over the same ipc transport. They
-take turns in batches of ``batch`` round trips for ``rounds`` rounds, so they share the load.
+a move request carries, served by a separate process on uvloop over the same ipc transport.
+From the blocking `SidecarClient` (what engine workers call from synchronous code): the same
+status and 1-layer move, against a raw blocking pyzmq DEALER -> ROUTER echo of the same frames
+served by a plain blocking receive/send loop in its own process. All take turns in batches of
+``batch`` round trips for ``rounds`` rounds, so they share the load.
 
 Each percentile figure is the median over rounds of that round's percentile (its min-max is the
-spread between rounds), compared with the echo's figure from the same rounds.
+spread between rounds), compared with its echo's figure from the same rounds: async methods with
+the zmq.asyncio echo, blocking ones with the blocking echo.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import zmq.asyncio
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import Figure, Options, Progress, note, percentile
 from kvsidecar.bench.local import engines
-from kvsidecar.client import AsyncSidecarClient, BufferSetRef
+from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient
 
 ECHO = "raw zmq.asyncio echo"
+ECHO_BLOCKING = "raw blocking pyzmq echo"
+BLOCKING = "blocking client: "
+"""Prefix of the blocking client's methods (judged against `ECHO_BLOCKING`)."""
 PERCENTILES = (50.0, 90.0, 99.0)
 
 Sampler = Callable[[], Awaitable[object]]
@@ -39,16 +46,19 @@ def run(opts: Options) -> list[Figure]:
     )
     runtime = tempfile.mkdtemp(prefix="kvsb-echo-", dir="/tmp")
     echo_ep = f"ipc://{runtime}/echo.sock"
+    blocking_ep = f"ipc://{runtime}/echo-blocking.sock"
     try:
         with (
             procs.echo_server(echo_ep),
+            procs.echo_server(blocking_ep, blocking=True),
             procs.daemon(peer_data_plane=opts.peer_data_plane) as (endpoint, _),
             engines(endpoint, opts, num_blocks=64) as eng,
         ):
             src, dst = eng.a_dev, eng.b_dev
-            samples = procs.run_async(_measure(opts, endpoint, echo_ep, src, dst))
+            samples = procs.run_async(_measure(opts, endpoint, (echo_ep, blocking_ep), src, dst))
     finally:
-        Path(runtime, "echo.sock").unlink(missing_ok=True)
+        for name in ("echo.sock", "echo-blocking.sock"):
+            Path(runtime, name).unlink(missing_ok=True)
         Path(runtime).rmdir()
     return figures_from(samples, group="latency")
 
@@ -56,19 +66,20 @@ def run(opts: Options) -> list[Figure]:
 def figures_from(
     samples: dict[str, list[list[float]]], group: str, chart: str = "latency"
 ) -> list[Figure]:
-    """One figure per (method, percentile) against the echo's same percentile."""
-    echo = samples[ECHO]
+    """One figure per (method, percentile) against its echo's same percentile."""
     figures: list[Figure] = []
     for name, rounds in samples.items():
-        if name == ECHO:
+        if name in (ECHO, ECHO_BLOCKING):
             continue
+        base = ECHO_BLOCKING if name.startswith(BLOCKING) else ECHO
+        echo = samples[base]
         for q in PERCENTILES:
             figures.append(
                 Figure(
                     name=f"{group}/{name} p{q:g}",
                     unit="µs",
                     samples=[percentile(r, q) for r in rounds],
-                    baseline=f"{ECHO} p{q:g}",
+                    baseline=f"{base} p{q:g}",
                     baseline_samples=[percentile(r, q) for r in echo],
                     higher_is_better=False,
                     group=group,
@@ -102,13 +113,22 @@ async def timed_rounds(
 
 
 async def _measure(
-    opts: Options, endpoint: str, echo_ep: str, src: BufferSetRef, dst: BufferSetRef
+    opts: Options,
+    endpoint: str,
+    echo_eps: tuple[str, str],
+    src: BufferSetRef,
+    dst: BufferSetRef,
 ) -> dict[str, list[list[float]]]:
     client = AsyncSidecarClient(endpoint, timeout_s=10, name="bench-lat", heartbeat=False)
     ctx = zmq.asyncio.Context()
     echo = ctx.socket(zmq.DEALER)
     echo.setsockopt(zmq.LINGER, 0)
-    echo.connect(echo_ep)
+    echo.connect(echo_eps[0])
+    sync_ctx = zmq.Context()
+    echo_blocking = sync_ctx.socket(zmq.DEALER)
+    echo_blocking.setsockopt(zmq.LINGER, 0)
+    echo_blocking.connect(echo_eps[1])
+    sync_client = SidecarClient(endpoint, timeout_s=10, name="bench-lat-sync", heartbeat=False)
     progress = Progress(opts.rounds, "latency", enabled=opts.progress)
     try:
         await client.start()
@@ -130,15 +150,32 @@ async def _measure(
         async def move_all() -> None:
             await client.move(src, dst, one, one)
 
+        # The blocking calls block this loop while they run: nothing else runs meanwhile.
+        async def raw_echo_blocking() -> None:
+            echo_blocking.send_multipart(frames, copy=False)
+            echo_blocking.recv_multipart(copy=False)
+
+        async def status_blocking() -> None:
+            sync_client.status()
+
+        async def move_one_blocking() -> None:
+            sync_client.move(src, dst, one, one, layers=["layer0"])
+
         methods: dict[str, Sampler] = {
             ECHO: raw_echo,
             "status": status,
             "1-block move, 1 layer": move_one,
             f"1-block move, {opts.layers} layers": move_all,
+            ECHO_BLOCKING: raw_echo_blocking,
+            f"{BLOCKING}status": status_blocking,
+            f"{BLOCKING}1-block move, 1 layer": move_one_blocking,
         }
         return await timed_rounds(methods, opts.rounds, opts.batch, progress)
     finally:
         progress.close()
         await client.close()
+        sync_client.close()
         echo.close(linger=0)
+        echo_blocking.close(linger=0)
         ctx.term()
+        sync_ctx.term()
