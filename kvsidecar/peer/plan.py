@@ -356,8 +356,7 @@ class _Reads:
         remote_index = np.repeat(np.array([r for r, _, _ in self.rows], np.int64), counts)
         local_index = np.repeat(np.array([li for _, li, _ in self.rows], np.int64), counts)
         starts_r, starts_l, lengths = (
-            np.concatenate([runs[k] for _, _, runs in self.rows]).astype(np.int64)
-            for k in range(3)
+            np.concatenate([runs[k] for _, _, runs in self.rows]).astype(np.int64) for k in range(3)
         )
         return ReadPlan(
             remote_tp_rank=tp,
