@@ -5,8 +5,10 @@ all layers (engine A -> engine B), and a raw zmq.asyncio DEALER -> ROUTER echo o
 a move request carries, served by a separate process on uvloop over the same ipc transport.
 From the blocking `SidecarClient` (what engine workers call from synchronous code): the same
 status and 1-layer move, against a raw blocking pyzmq DEALER -> ROUTER echo of the same frames
-served by a plain blocking receive/send loop in its own process. All take turns in batches of
-``batch`` round trips for ``rounds`` rounds, so they share the load.
+served by a plain blocking receive/send loop in its own process. And an engine step of 16
+1-block moves, sent as 16 ``move`` commands or as one ``move_batch`` (judged against the 16
+commands). All take turns in batches of ``batch`` round trips for ``rounds`` rounds, so they
+share the load.
 
 Each percentile figure is the median over rounds of that round's percentile (its min-max is the
 spread between rounds), compared with its echo's figure from the same rounds: async methods with
@@ -27,12 +29,17 @@ import zmq.asyncio
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import Figure, Options, Progress, note, percentile
 from kvsidecar.bench.local import engines
-from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient
+from kvsidecar.client import AsyncSidecarClient, BatchMove, BufferSetRef, SidecarClient
 
 ECHO = "raw zmq.asyncio echo"
 ECHO_BLOCKING = "raw blocking pyzmq echo"
 BLOCKING = "blocking client: "
 """Prefix of the blocking client's methods (judged against `ECHO_BLOCKING`)."""
+STEP = 16
+"""1-block moves per engine step in the batch figures."""
+ONE_BY_ONE = f"{STEP} 1-block moves, a command each"
+BATCHED = f"{STEP} 1-block moves, one move_batch"
+"""`BATCHED` is judged against `ONE_BY_ONE` (what a step costs either way), not against an echo."""
 PERCENTILES = (50.0, 90.0, 99.0)
 
 Sampler = Callable[[], Awaitable[object]]
@@ -69,9 +76,10 @@ def figures_from(
     """One figure per (method, percentile) against its echo's same percentile."""
     figures: list[Figure] = []
     for name, rounds in samples.items():
-        if name in (ECHO, ECHO_BLOCKING):
+        if name in (ECHO, ECHO_BLOCKING, ONE_BY_ONE) or name not in samples:
             continue
         base = ECHO_BLOCKING if name.startswith(BLOCKING) else ECHO
+        base = ONE_BY_ONE if name == BATCHED else base
         echo = samples[base]
         for q in PERCENTILES:
             figures.append(
@@ -161,6 +169,17 @@ async def _measure(
         async def move_one_blocking() -> None:
             sync_client.move(src, dst, one, one, layers=["layer0"])
 
+        # An engine step's moves: one command each, or one batch (distinct destinations).
+        step_ids = [np.array([i], dtype="<i4") for i in range(STEP)]
+        step = [BatchMove(src, dst, i, i, layers=["layer0"]) for i in step_ids]
+
+        async def one_by_one() -> None:
+            for i in step_ids:
+                await client.move(src, dst, i, i, layers=["layer0"])
+
+        async def batched() -> None:
+            await client.move_batch(step)
+
         methods: dict[str, Sampler] = {
             ECHO: raw_echo,
             "status": status,
@@ -169,6 +188,8 @@ async def _measure(
             ECHO_BLOCKING: raw_echo_blocking,
             f"{BLOCKING}status": status_blocking,
             f"{BLOCKING}1-block move, 1 layer": move_one_blocking,
+            ONE_BY_ONE: one_by_one,
+            BATCHED: batched,
         }
         return await timed_rounds(methods, opts.rounds, opts.batch, progress)
     finally:
