@@ -33,6 +33,9 @@ from kvsidecar.client import AsyncSidecarClient, BatchMove, BufferSetRef, Sideca
 
 ECHO = "raw zmq.asyncio echo"
 ECHO_BLOCKING = "raw blocking pyzmq echo"
+ECHO_BLOCKING_ASYNC = "raw blocking pyzmq client, zmq.asyncio echo server"
+"""The blocking client's second baseline: the same blocking DEALER against the zmq.asyncio echo
+(the server pattern the async figures are judged against)."""
 BLOCKING = "blocking client: "
 """Prefix of the blocking client's methods (judged against `ECHO_BLOCKING`)."""
 STEP = 16
@@ -73,29 +76,44 @@ def run(opts: Options) -> list[Figure]:
 def figures_from(
     samples: dict[str, list[list[float]]], group: str, chart: str = "latency"
 ) -> list[Figure]:
-    """One figure per (method, percentile) against its echo's same percentile."""
+    """One figure per (method, percentile, baseline) against the baseline's same percentile."""
     figures: list[Figure] = []
     for name, rounds in samples.items():
-        if name in (ECHO, ECHO_BLOCKING, ONE_BY_ONE) or name not in samples:
+        if name in (ECHO, ECHO_BLOCKING, ECHO_BLOCKING_ASYNC, ONE_BY_ONE):
             continue
-        base = ECHO_BLOCKING if name.startswith(BLOCKING) else ECHO
-        base = ONE_BY_ONE if name == BATCHED else base
-        echo = samples[base]
-        for q in PERCENTILES:
-            figures.append(
-                Figure(
-                    name=f"{group}/{name} p{q:g}",
-                    unit="µs",
-                    samples=[percentile(r, q) for r in rounds],
-                    baseline=f"{base} p{q:g}",
-                    baseline_samples=[percentile(r, q) for r in echo],
-                    higher_is_better=False,
-                    group=group,
-                    chart=chart,
-                    series=name,
-                    x=q,
-                )
+        bases = [ECHO_BLOCKING, ECHO_BLOCKING_ASYNC] if name.startswith(BLOCKING) else [ECHO]
+        bases = [ONE_BY_ONE] if name == BATCHED else bases
+        for base in bases:
+            if base in samples:
+                figures += _percentiles(name, rounds, base, samples[base], group=group, chart=chart)
+    return figures
+
+
+def _percentiles(
+    name: str,
+    rounds: list[list[float]],
+    base: str,
+    echo: list[list[float]],
+    *,
+    group: str,
+    chart: str,
+) -> list[Figure]:
+    figures = []
+    for q in PERCENTILES:
+        figures.append(
+            Figure(
+                name=f"{group}/{name} p{q:g}",
+                unit="µs",
+                samples=[percentile(r, q) for r in rounds],
+                baseline=f"{base} p{q:g}",
+                baseline_samples=[percentile(r, q) for r in echo],
+                higher_is_better=False,
+                group=group,
+                chart=chart,
+                series=name,
+                x=q,
             )
+        )
     return figures
 
 
@@ -136,6 +154,9 @@ async def _measure(
     echo_blocking = sync_ctx.socket(zmq.DEALER)
     echo_blocking.setsockopt(zmq.LINGER, 0)
     echo_blocking.connect(echo_eps[1])
+    echo_blocking_async = sync_ctx.socket(zmq.DEALER)
+    echo_blocking_async.setsockopt(zmq.LINGER, 0)
+    echo_blocking_async.connect(echo_eps[0])
     sync_client = SidecarClient(endpoint, timeout_s=10, name="bench-lat-sync", heartbeat=False)
     progress = Progress(opts.rounds, "latency", enabled=opts.progress)
     try:
@@ -163,6 +184,10 @@ async def _measure(
             echo_blocking.send_multipart(frames, copy=False)
             echo_blocking.recv_multipart(copy=False)
 
+        async def raw_echo_blocking_async() -> None:
+            echo_blocking_async.send_multipart(frames, copy=False)
+            echo_blocking_async.recv_multipart(copy=False)
+
         async def status_blocking() -> None:
             sync_client.status()
 
@@ -186,6 +211,7 @@ async def _measure(
             "1-block move, 1 layer": move_one,
             f"1-block move, {opts.layers} layers": move_all,
             ECHO_BLOCKING: raw_echo_blocking,
+            ECHO_BLOCKING_ASYNC: raw_echo_blocking_async,
             f"{BLOCKING}status": status_blocking,
             f"{BLOCKING}1-block move, 1 layer": move_one_blocking,
             ONE_BY_ONE: one_by_one,
@@ -198,5 +224,6 @@ async def _measure(
         sync_client.close()
         echo.close(linger=0)
         echo_blocking.close(linger=0)
+        echo_blocking_async.close(linger=0)
         ctx.term()
         sync_ctx.term()
