@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -138,6 +139,64 @@ async def timed_rounds(
     return out
 
 
+def _dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _blocking_methods(
+    sync_client: SidecarClient,
+    echoes: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+    frames: list[bytes],
+    src: BufferSetRef,
+    dst: BufferSetRef,
+) -> dict[str, Sampler]:
+    """Return the blocking client's methods and its two echoes (blocking, zmq.asyncio server).
+
+    They block the benchmark's loop while they run: nothing else runs meanwhile.
+    """
+    one = np.array([3], dtype="<i4")
+
+    def echo_with(sock: zmq.Socket[Any]) -> Sampler:
+        async def echo() -> None:
+            sock.send_multipart(frames, copy=False)
+            sock.recv_multipart(copy=False)
+
+        return echo
+
+    async def status() -> None:
+        sync_client.status()
+
+    async def move_one() -> None:
+        sync_client.move(src, dst, one, one, layers=["layer0"])
+
+    return {
+        ECHO_BLOCKING: echo_with(echoes[0]),
+        ECHO_BLOCKING_ASYNC: echo_with(echoes[1]),
+        f"{BLOCKING}status": status,
+        f"{BLOCKING}1-block move, 1 layer": move_one,
+    }
+
+
+def _step_methods(
+    client: AsyncSidecarClient, src: BufferSetRef, dst: BufferSetRef
+) -> dict[str, Sampler]:
+    """Return an engine step's 1-block moves: a command each, or one batch (distinct ids)."""
+    step_ids = [np.array([i], dtype="<i4") for i in range(STEP)]
+    step = [BatchMove(src, dst, i, i, layers=["layer0"]) for i in step_ids]
+
+    async def one_by_one() -> None:
+        for i in step_ids:
+            await client.move(src, dst, i, i, layers=["layer0"])
+
+    async def batched() -> None:
+        await client.move_batch(step)
+
+    return {ONE_BY_ONE: one_by_one, BATCHED: batched}
+
+
 async def _measure(
     opts: Options,
     endpoint: str,
@@ -150,13 +209,8 @@ async def _measure(
     echo = ctx.socket(zmq.DEALER)
     echo.setsockopt(zmq.LINGER, 0)
     echo.connect(echo_eps[0])
-    sync_ctx = zmq.Context()
-    echo_blocking = sync_ctx.socket(zmq.DEALER)
-    echo_blocking.setsockopt(zmq.LINGER, 0)
-    echo_blocking.connect(echo_eps[1])
-    echo_blocking_async = sync_ctx.socket(zmq.DEALER)
-    echo_blocking_async.setsockopt(zmq.LINGER, 0)
-    echo_blocking_async.connect(echo_eps[0])
+    sync_ctx: zmq.Context[Any] = zmq.Context()
+    echoes = (_dealer(sync_ctx, echo_eps[1]), _dealer(sync_ctx, echo_eps[0]))
     sync_client = SidecarClient(endpoint, timeout_s=10, name="bench-lat-sync", heartbeat=False)
     progress = Progress(opts.rounds, "latency", enabled=opts.progress)
     try:
@@ -179,43 +233,13 @@ async def _measure(
         async def move_all() -> None:
             await client.move(src, dst, one, one)
 
-        # The blocking calls block this loop while they run: nothing else runs meanwhile.
-        async def raw_echo_blocking() -> None:
-            echo_blocking.send_multipart(frames, copy=False)
-            echo_blocking.recv_multipart(copy=False)
-
-        async def raw_echo_blocking_async() -> None:
-            echo_blocking_async.send_multipart(frames, copy=False)
-            echo_blocking_async.recv_multipart(copy=False)
-
-        async def status_blocking() -> None:
-            sync_client.status()
-
-        async def move_one_blocking() -> None:
-            sync_client.move(src, dst, one, one, layers=["layer0"])
-
-        # An engine step's moves: one command each, or one batch (distinct destinations).
-        step_ids = [np.array([i], dtype="<i4") for i in range(STEP)]
-        step = [BatchMove(src, dst, i, i, layers=["layer0"]) for i in step_ids]
-
-        async def one_by_one() -> None:
-            for i in step_ids:
-                await client.move(src, dst, i, i, layers=["layer0"])
-
-        async def batched() -> None:
-            await client.move_batch(step)
-
         methods: dict[str, Sampler] = {
             ECHO: raw_echo,
             "status": status,
             "1-block move, 1 layer": move_one,
             f"1-block move, {opts.layers} layers": move_all,
-            ECHO_BLOCKING: raw_echo_blocking,
-            ECHO_BLOCKING_ASYNC: raw_echo_blocking_async,
-            f"{BLOCKING}status": status_blocking,
-            f"{BLOCKING}1-block move, 1 layer": move_one_blocking,
-            ONE_BY_ONE: one_by_one,
-            BATCHED: batched,
+            **_blocking_methods(sync_client, echoes, frames, src, dst),
+            **_step_methods(client, src, dst),
         }
         return await timed_rounds(methods, opts.rounds, opts.batch, progress)
     finally:
@@ -223,7 +247,7 @@ async def _measure(
         await client.close()
         sync_client.close()
         echo.close(linger=0)
-        echo_blocking.close(linger=0)
-        echo_blocking_async.close(linger=0)
+        for sock in echoes:
+            sock.close(linger=0)
         ctx.term()
         sync_ctx.term()
