@@ -191,7 +191,13 @@ class DataStream:
             queue, self._queue = self._queue, []
             live = [c for c in queue if c.state == _QUEUED]
             for chunk in live:
-                chunk.state = _SENT
+                chunk.state = _DONE if self.broken else _SENT
+        if self.broken:
+            # Submitted before the loop saw the drop: ZeroMQ would hold them for a reconnection
+            # (to whatever then listens there); they fail now instead.
+            for chunk in live:
+                self._settle(chunk, PeerGone(f"connection to {self.endpoint} lost"))
+            return
         for chunk in live:
             sent[chunk.id] = chunk
             # HWM 0: never full. Zero-copy above zmqio's threshold (the range frames are small).
