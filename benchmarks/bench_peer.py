@@ -3,9 +3,10 @@ A thin wrapper over ``kvsidecar bench peer`` with this script's original sizes.
 
 Two daemon processes (producer with a loopback peer endpoint, consumer), this process the engine
 worker of both: 32 layers of ``(2, 512, 16, 8, 128)`` float16 (kv_first, 64 KiB per block and
-layer, 1 GiB per engine) in shared memory. Pulls of the first 128 blocks (256 MiB) and of all 512
-(1 GiB) per plane, against raw pyzmq PUSH -> PULL (no copy, and into a buffer) and a raw NIXL
-READ of the same bytes; see `kvsidecar.bench.peer`. ``--json`` writes the common schema.
+layer, 1 GiB per engine) in shared memory. Pulls of the first 8 blocks (16 MiB), 128 (256 MiB)
+and all 512 (1 GiB) per plane, against raw pyzmq PUSH -> PULL into a buffer (glibc defaults, and
+the daemon's malloc settings) and one prepared raw NIXL READ of the same bytes; see
+`kvsidecar.bench.peer`. ``--json`` writes the common schema.
 
     UCX_NET_DEVICES=lo .venv/bin/python benchmarks/bench_peer.py [--repeat 5] [--json FILE]
 """

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsidecar import __version__
-from kvsidecar.daemon.config import SETTINGS, Config, ConfigError, Setting
+from kvsidecar.daemon.config import Config, ConfigError
 from kvsidecar.daemon.logs import setup_logging
+from kvsidecar.daemon.settings import SETTINGS, Setting
 from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import __version__
-from kvsidecar.daemon.config import SETTINGS
+from kvsidecar.daemon.settings import SETTINGS
 from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNREACHABLE
 from tests.support import ROOT
 from tests.support.children import LineReader, workers

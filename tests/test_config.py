@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.daemon.config import SETTINGS, Config, ConfigError
+from kvsidecar.daemon.config import Config, ConfigError
+from kvsidecar.daemon.settings import SETTINGS
 
 
 def test_defaults_fill_paths(tmp_path: Path) -> None:

@@ -768,7 +768,7 @@ def test_shipped_configs_load(tmp_path: Path, name: str, text: str) -> None:
 
 
 def test_deploy_env_vars_are_settings() -> None:
-    from kvsidecar.daemon.config import SETTINGS
+    from kvsidecar.daemon.settings import SETTINGS
 
     known = {s.env_var for s in SETTINGS} | PENDING_ENV_VARS | CLI_ENV_VARS
     files = [UNIT, DEPLOY / "systemd" / "kvsidecar.env", DOCKERFILE, *MANIFESTS]

@@ -74,7 +74,11 @@ def cluster() -> Iterator[Cluster]:
     specs = engines()
     with (
         peer_daemon(peer_data_plane=plane) as prod,
-        peer_daemon(peer_data_plane=plane, peer_endpoint="") as cons,
+        # Reads cut into 4 KiB chunks over three data streams: every pull below spreads many
+        # chunks over several connections and threads, and is still checked byte by byte.
+        peer_daemon(
+            peer_data_plane=plane, peer_endpoint="", peer_streams=3, peer_chunk_bytes=4096
+        ) as cons,
         peer_workers({"endpoints": [prod.config.endpoint], "engines": specs[0]}) as pw,
         peer_workers({"endpoints": [cons.config.endpoint], "engines": specs[1]}) as cw,
     ):

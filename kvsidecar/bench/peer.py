@@ -2,29 +2,38 @@
 
 Two daemon processes on this host (a producer with a loopback peer endpoint, a consumer); this
 process is the engine worker of both: ``layers`` tensors of ``(2, blocks, *block_shape)``
-(kv_first, K and V) in shared memory per engine. Pulled: the first quarter and all of the blocks
-of every layer, contiguous ids, with ``pull(plane="zmq")`` and, where NIXL is installed,
-``pull(plane="nixl")``; timed on the client from sending the pull to its reply (handshake, reads
-and notifications included); the bytes are checked once per plane and size.
+(kv_first, K and V) in shared memory per engine. Pulled: 1/64, 1/4 and all of the blocks of
+every layer (16 MiB, 256 MiB and 1 GiB at the default sizes), contiguous ids; timed on the
+client from sending the pull to its reply (handshake, reads and notifications included); the
+bytes are checked once per plane and size.
 
-Baselines between two processes, same byte counts: raw pyzmq PUSH -> PULL over loopback TCP in
-1 MiB zero-copy frames, received with ``copy=False`` (frames dropped) and received into a touched
-destination (``recv_into``, what a transfer must do); raw NIXL: one READ of the same bytes in
-1 MiB descriptors from another process's registered buffer, polled with the plane's backoff.
-The plane's repetitions run first, then the baseline's (the raw sender streams on request).
+The planes are measured in two phases, each with its own pair of daemons:
+
+- **ZMQ plane**, daemons with ``peer_data_plane=zmq``: an idle NIXL agent's UCX progress thread
+  busy-polls a core (docs/benchmarks.md), so daemons that have one would measure that thread's
+  share of this machine, not the plane. Baselines: a raw pyzmq PUSH -> PULL stream of the same
+  bytes over loopback TCP in 1 MiB zero-copy frames received into a touched buffer with
+  ``recv_into`` (what a transfer has to do), by a receiver with glibc's default settings, and by
+  one with the daemon's (`kvsidecar.wire.zmq_memory`), so that the plane is compared like with
+  like too. Each receiver is a process of its own with a connection that stays up.
+- **NIXL plane**, daemons with ``peer_data_plane=nixl``. Baseline: what an expert writes with
+  NIXL: one descriptor for the whole buffer on each side, prepared once, and one READ
+  transfer per repetition on that prepared handle, polled with the plane's backoff.
+
+Within a phase, the methods take turns repetition by repetition, so they share the load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
-import numpy as np
 import torch
-import zmq
 
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import (
@@ -40,8 +49,10 @@ from kvsidecar.memory import allocate_kv_caches
 
 FRAME = 1 << 20
 RAW_INTO = "raw pyzmq stream into a buffer"
-RAW_NO_COPY = "raw pyzmq stream, no copy"
-RAW_NIXL = "raw NIXL READ"
+RAW_KEEP = "raw pyzmq stream into a buffer, daemon's malloc settings"
+RAW_NIXL = "raw NIXL READ, one prepared transfer"
+
+Plane = Literal["zmq", "nixl"]
 
 
 def _port() -> int:
@@ -61,177 +72,132 @@ def _raw_proc(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def raw_zmq(nbytes: int, repeat: int, dest: np.ndarray) -> dict[str, list[float]]:
-    """Seconds per stream of ``nbytes``, received without a copy and into ``dest``."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    out: dict[str, list[float]] = {}
-    try:
-        for mode in ("no_copy", "into_buffer"):
-            sender = _raw_proc(
-                "zmq-send", f"tcp://127.0.0.1:{port}", str(nbytes), str(FRAME), str(repeat)
-            )
-            try:
-                if sender.stdout is None or sender.stdin is None:
-                    raise RuntimeError("no pipes to the raw sender")
-                if sender.stdout.readline().strip() != "ready":
-                    raise RuntimeError("raw pyzmq sender did not start")
-                view = dest.data
-                times = []
-                for _ in range(repeat):
-                    start = time.perf_counter()
-                    sender.stdin.write("go\n")
-                    sender.stdin.flush()
-                    for off in range(0, nbytes, FRAME):
-                        if mode == "no_copy":
-                            sock.recv(copy=False)
-                        else:
-                            sock.recv_into(view[off : off + FRAME])
-                    times.append(time.perf_counter() - start)
-                out[mode] = times
-                sender.stdin.write("end\n")
-                sender.stdin.close()
-                sender.wait(30)
-            finally:
-                procs.stop(sender, 5)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-    return out
+class RawZmq:
+    """A raw receiver process (and its sender): `once` streams ``nbytes`` and returns seconds."""
+
+    def __init__(self, nbytes: int, *, keep_freed_memory: bool) -> None:
+        self.proc = _raw_proc("zmq-recv", str(nbytes), str(FRAME), str(int(keep_freed_memory)))
+        if self.proc.stdout is None or self.proc.stdout.readline().strip() != "ready":
+            procs.stop(self.proc, 5)
+            raise RuntimeError("raw pyzmq receiver did not start")
+
+    def once(self) -> float:
+        """Seconds for one stream, as the receiver timed it."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        """Stop the receiver (and with it its sender)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        procs.stop(self.proc, 10)
 
 
-def raw_nixl(nbytes: int, repeat: int, dest: torch.Tensor) -> list[float]:
-    """Seconds per READ of ``nbytes`` from another process's registered buffer."""
-    from nixl._api import nixl_agent, nixl_agent_config
+class RawNixl:
+    """A NIXL target process and a reader agent here: one prepared READ of ``nbytes``."""
 
-    target = _raw_proc("nixl-target", str(nbytes))
-    try:
-        if target.stdout is None:
-            raise RuntimeError("no pipe to the NIXL target")
-        line = target.stdout.readline()
-        while line and not line.startswith("META "):  # NIXL logs to stdout too
-            line = target.stdout.readline()
-        meta_hex, addr = line.split()[1:]
-        agent = nixl_agent("raw-reader", nixl_agent_config(backends=["UCX"]))
-        agent.register_memory(dest)
-        name = agent.add_remote_agent(bytes.fromhex(meta_hex))
-        offs = np.arange(0, nbytes, FRAME, dtype=np.uint64)
-        local = np.stack([dest.data_ptr() + offs, np.full_like(offs, FRAME), 0 * offs], 1)
-        remote = np.stack([int(addr) + offs, np.full_like(offs, FRAME), 0 * offs], 1)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "DRAM"),
-                name,
-            )
-            state = agent.transfer(handle)
-            pause = 50e-6
-            while state not in ("DONE", "ERR"):
-                # Back off like the plane does: a busy poll starves UCX's progress thread.
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in {state}")
-            times.append(time.perf_counter() - start)
-        return times
-    finally:
-        if target.stdin is not None:
-            target.stdin.close()
-        procs.stop(target, 10)
+    def __init__(self, nbytes: int, dest: torch.Tensor) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.target = _raw_proc("nixl-target", str(nbytes))
+        try:
+            if self.target.stdout is None:
+                raise RuntimeError("no pipe to the NIXL target")
+            line = self.target.stdout.readline()
+            while line and not line.startswith("META "):  # NIXL logs to stdout too
+                line = self.target.stdout.readline()
+            meta_hex, addr = line.split()[1:]
+            agent = nixl_agent("raw-reader", nixl_agent_config(backends=["UCX"]))
+            agent.register_memory(dest)
+            name = agent.add_remote_agent(bytes.fromhex(meta_hex))
+            # One descriptor per side for the whole buffer, prepared once; the handle is
+            # posted again for every repetition.
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dest.data_ptr(), nbytes, 0)], "DRAM")
+            remote = agent.prep_xfer_dlist(name, [(int(addr), nbytes, 0)], "DRAM")
+            self.handle = agent.make_prepped_xfer("READ", local, [0], remote, [0])
+            self.agent, self.dlists = agent, (local, remote)
+        except BaseException:
+            self._stop_target()
+            raise
+
+    def once(self) -> float:
+        """Seconds for one READ, polled like the plane polls (a backoff up to 1 ms)."""
+        start = time.perf_counter()
+        state = self.agent.transfer(self.handle)
+        pause = 50e-6
+        while state not in ("DONE", "ERR"):
+            # A busy poll would starve UCX's progress thread on a small machine.
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            state = self.agent.check_xfer_state(self.handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in {state}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Release the handle and lists, stop the target."""
+        with contextlib.suppress(Exception):
+            self.agent.release_xfer_handle(self.handle)
+            for dlist in self.dlists:
+                self.agent.release_dlist_handle(dlist)
+        self._stop_target()
+
+    def _stop_target(self) -> None:
+        if self.target.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.target.stdin.close()
+        procs.stop(self.target, 10)
 
 
-def run(opts: Options) -> list[Figure]:
-    """Start the two daemons, pull at two sizes per plane, measure the baselines."""
-    from kvsidecar.peer.nixl_plane import nixl_available
+class _Setup:
+    """The workload: source and destination caches, the pull sizes (blocks per layer)."""
 
-    have_nixl = nixl_available()
-    plane = "auto" if have_nixl else "zmq"
-    blocks = opts.blocks
-    block_bytes = 2 * opts.block_bytes  # K and V
-    sizes = sorted({max(1, blocks // 4), blocks})
-    note(
-        f"peer: {opts.layers} layers x (2, {blocks}, {', '.join(map(str, opts.block_shape))}) "
-        f"{opts.dtype}; pulls of {', '.join(str(s) for s in sizes)} blocks per layer; planes "
-        f"zmq{' and nixl' if have_nixl else ' (NIXL not installed: no nixl figures)'}"
-    )
-    figures: list[Figure] = []
-    endpoint = f"tcp://127.0.0.1:{_port()}"
-    planes: list[Literal["zmq", "nixl"]] = ["zmq", "nixl"] if have_nixl else ["zmq"]
-    progress = Progress(len(sizes) * (len(planes) + 1), "peer", enabled=opts.progress)
-    with (
-        # Loopback only, so without CURVE (`insecure`): CurveZMQ would encrypt the zmq plane's
-        # data and compare it with an unencrypted raw stream.
-        procs.daemon(peer_endpoint=endpoint, peer_data_plane=plane, insecure=True) as (prod_ep, _),
-        # The consumer gets a peer endpoint too: without one it starts no NIXL agent.
-        procs.daemon(
-            peer_endpoint=f"tcp://127.0.0.1:{_port()}", peer_data_plane=plane, insecure=True
-        ) as (cons_ep, _),
-    ):
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        blocks = opts.blocks
+        self.sizes = sorted({max(1, blocks // 64), max(1, blocks // 4), blocks})
         shape = (2, blocks, *opts.block_shape)
         dtype = torch_dtype(opts.dtype)
-        src = allocate_kv_caches(opts.layers, shape, dtype)
-        dst = allocate_kv_caches(opts.layers, shape, dtype)
-        for i, t in enumerate(src):
+        self.src = allocate_kv_caches(opts.layers, shape, dtype)
+        self.dst = allocate_kv_caches(opts.layers, shape, dtype)
+        for i, t in enumerate(self.src):
             # Distinct values per layer and position (int16 bit patterns, any is valid data).
             t.view(torch.int16).view(-1).copy_(
                 torch.arange(t.view(torch.int16).numel(), dtype=torch.int32).to(torch.int16) + i
             )
-        pc = SidecarClient(prod_ep, timeout_s=120, name="bench-producer")
-        cc = SidecarClient(cons_ep, timeout_s=120, name="bench-consumer")
-        try:
-            pc.register_kv_caches({f"l{i}": t for i, t in enumerate(src)}, engine_id="p")
-            cc.register_kv_caches({f"l{i}": t for i, t in enumerate(dst)}, engine_id="c")
-            raw_dest = torch.ones(opts.layers * blocks * block_bytes, dtype=torch.uint8)
-            for n in sizes:
-                nbytes = n * block_bytes * opts.layers
-                measured: dict[str, list[float]] = {}
-                for name in planes:
-                    progress.step(0, f"peer: {name} plane, {n} blocks")
-                    measured[name] = _plane(
-                        cc,
-                        endpoint=endpoint,
-                        plane=name,
-                        blocks=n,
-                        nbytes=nbytes,
-                        repeat=opts.repeat,
-                        src=src,
-                        dst=dst,
-                    )
-                    progress.step()
-                progress.step(0, f"peer: raw baselines, {n} blocks")
-                raw = raw_zmq(nbytes, opts.repeat, raw_dest.numpy()[:nbytes])
-                if have_nixl:
-                    raw["nixl"] = raw_nixl(nbytes, opts.repeat, raw_dest[:nbytes])
-                progress.step()
-                figures += _figures(measured, raw, nbytes, have_nixl)
-        finally:
-            pc.close()
-            cc.close()
-            progress.close()
-    if not figures:
-        raise BenchUnavailable("no pull was measured")
-    return figures
+
+    def nbytes(self, blocks: int) -> int:
+        """Bytes one pull of ``blocks`` per layer carries."""
+        return blocks * 2 * self.opts.block_bytes * self.opts.layers
 
 
-def _plane(
-    cc: SidecarClient,
-    *,
-    endpoint: str,
-    plane: Literal["zmq", "nixl"],
-    blocks: int,
-    nbytes: int,
-    repeat: int,
-    src: list[torch.Tensor],
-    dst: list[torch.Tensor],
-) -> list[float]:
+@contextlib.contextmanager
+def _daemons(setup: _Setup, plane: Plane) -> Iterator[tuple[SidecarClient, str]]:
+    """Start producer and consumer daemons, register both engines; yield (consumer, endpoint)."""
+    endpoint = f"tcp://127.0.0.1:{_port()}"
+    with (
+        # Loopback only, so without CURVE (`insecure`): CurveZMQ would encrypt the zmq plane's
+        # data and compare it with an unencrypted raw stream.
+        procs.daemon(peer_endpoint=endpoint, peer_data_plane=plane, insecure=True) as (pep, _),
+        # The consumer gets a peer endpoint too: without one it starts no NIXL agent.
+        procs.daemon(
+            peer_endpoint=f"tcp://127.0.0.1:{_port()}", peer_data_plane=plane, insecure=True
+        ) as (cep, _),
+        SidecarClient(pep, timeout_s=120, name="bench-producer") as pc,
+        SidecarClient(cep, timeout_s=120, name="bench-consumer") as cc,
+    ):
+        pc.register_kv_caches({f"l{i}": t for i, t in enumerate(setup.src)}, engine_id="p")
+        cc.register_kv_caches({f"l{i}": t for i, t in enumerate(setup.dst)}, engine_id="c")
+        yield cc, endpoint
+
+
+def _puller(cc: SidecarClient, endpoint: str, plane: Plane, setup: _Setup, blocks: int) -> Any:
+    """Check one pull's bytes (the warm-up), then return a timed pull of ``blocks``."""
     ids = list(range(blocks))
+    nbytes = setup.nbytes(blocks)
 
     def once() -> float:
         start = time.perf_counter()
@@ -241,41 +207,109 @@ def _plane(
             raise RuntimeError(f"{plane} pull failed: {pulled}")
         return took
 
-    for t in dst:
+    for t in setup.dst:
         t.zero_()
     once()  # warm-up (connections, registrations) and the correctness check
-    for s, d in zip(src, dst, strict=True):
+    for s, d in zip(setup.src, setup.dst, strict=True):
         if not torch.equal(s.view(torch.int16)[:, :blocks], d.view(torch.int16)[:, :blocks]):
             raise AssertionError(f"{plane} pull: the consumer's blocks differ from the producer's")
-    return [once() for _ in range(repeat)]
+    return once
 
 
-def _figures(
-    measured: dict[str, list[float]], raw: dict[str, list[float]], nbytes: int, nixl: bool
-) -> list[Figure]:
+def _turns(methods: dict[str, Callable[[], float]], repeat: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(repeat):
+        for name, fn in methods.items():
+            out[name].append(fn())
+    return out
+
+
+def _zmq_phase(setup: _Setup, progress: Progress) -> list[Figure]:
+    figures = []
+    with _daemons(setup, "zmq") as (cc, endpoint):
+        for blocks in setup.sizes:
+            nbytes = setup.nbytes(blocks)
+            progress.step(0, f"peer: zmq plane, {blocks} blocks")
+            pull = _puller(cc, endpoint, "zmq", setup, blocks)
+            plain = RawZmq(nbytes, keep_freed_memory=False)
+            kept = RawZmq(nbytes, keep_freed_memory=True)
+            try:
+                plain.once(), kept.once()  # warm: the connections' buffers grow on first use
+                got = _turns(
+                    {"plane": pull, RAW_INTO: plain.once, RAW_KEEP: kept.once}, setup.opts.repeat
+                )
+            finally:
+                plain.close()
+                kept.close()
+            figures += [
+                _figure(nbytes, "zmq plane pull", got["plane"], base, got[base])
+                for base in (RAW_INTO, RAW_KEEP)
+            ]
+            progress.step()
+    return figures
+
+
+def _nixl_phase(setup: _Setup, progress: Progress) -> list[Figure]:
+    figures = []
+    raw_dest = torch.ones(setup.nbytes(setup.opts.blocks), dtype=torch.uint8)
+    with _daemons(setup, "nixl") as (cc, endpoint):
+        for blocks in setup.sizes:
+            nbytes = setup.nbytes(blocks)
+            progress.step(0, f"peer: nixl plane, {blocks} blocks")
+            pull = _puller(cc, endpoint, "nixl", setup, blocks)
+            raw = RawNixl(nbytes, raw_dest[:nbytes])
+            try:
+                raw.once()  # warm: connection and registration caches
+                got = _turns({"plane": pull, RAW_NIXL: raw.once}, setup.opts.repeat)
+            finally:
+                raw.close()
+            figures.append(
+                _figure(nbytes, "nixl plane pull", got["plane"], RAW_NIXL, got[RAW_NIXL])
+            )
+            progress.step()
+    return figures
+
+
+def run(opts: Options) -> list[Figure]:
+    """Measure both planes (NIXL where installed), each against its raw baselines."""
+    from kvsidecar.peer.nixl_plane import nixl_available
+
+    have_nixl = nixl_available()
+    setup = _Setup(opts)
+    note(
+        f"peer: {opts.layers} layers x (2, {opts.blocks}, "
+        f"{', '.join(map(str, opts.block_shape))}) {opts.dtype}; pulls of "
+        f"{', '.join(str(s) for s in setup.sizes)} blocks per layer; planes "
+        f"zmq{' and nixl' if have_nixl else ' (NIXL not installed: no nixl figures)'}"
+    )
+    progress = Progress(len(setup.sizes) * (2 if have_nixl else 1), "peer", enabled=opts.progress)
+    try:
+        figures = _zmq_phase(setup, progress)
+        if have_nixl:
+            figures += _nixl_phase(setup, progress)
+    finally:
+        progress.close()
+    if not figures:
+        raise BenchUnavailable("no pull was measured")
+    return figures
+
+
+def _figure(
+    nbytes: int, name: str, samples: list[float], base: str, base_samples: list[float]
+) -> Figure:
     mib = nbytes / 2**20
-    group = f"peer: pulls over loopback TCP, {mib:g} MiB"
 
     def gbps(times: list[float]) -> list[float]:
         return [nbytes / t / 1e9 for t in times]
 
-    def fig(name: str, samples: list[float], base: str, base_samples: list[float]) -> Figure:
-        return Figure(
-            name=f"peer/{mib:g} MiB/{name}",
-            unit="GB/s",
-            samples=gbps(samples),
-            baseline=base,
-            baseline_samples=gbps(base_samples),
-            group=group,
-            chart="size",
-            series=name,
-            x=mib,
-        )
-
-    out = [
-        fig("zmq plane pull", measured["zmq"], RAW_INTO, raw["into_buffer"]),
-        fig("zmq plane pull", measured["zmq"], RAW_NO_COPY, raw["no_copy"]),
-    ]
-    if nixl:
-        out.append(fig("nixl plane pull", measured["nixl"], RAW_NIXL, raw["nixl"]))
-    return out
+    return Figure(
+        name=f"peer/{mib:g} MiB/{name}",
+        unit="GB/s",
+        samples=gbps(samples),
+        baseline=base,
+        baseline_samples=gbps(base_samples),
+        group=f"peer: pulls over loopback TCP, {mib:g} MiB",
+        chart="size",
+        series=name,
+        x=mib,
+    )

@@ -120,10 +120,15 @@ def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: float =
 
 
 @contextlib.contextmanager
-def echo_server(endpoint: str) -> Iterator[None]:
-    """Run a raw zmq.asyncio ROUTER echo (on uvloop) in its own process: the latency baseline."""
+def echo_server(endpoint: str, *, blocking: bool = False) -> Iterator[None]:
+    """Run a raw ROUTER echo in its own process: the latency baseline.
+
+    zmq.asyncio on uvloop (the daemon's own pattern), or with ``blocking`` a plain blocking
+    pyzmq receive/send loop (the fastest a Python server answers; the blocking client's match).
+    """
+    mode = "echo-blocking" if blocking else "echo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar.bench.procs", "echo", endpoint],
+        [sys.executable, "-m", "kvsidecar.bench.procs", mode, endpoint],
         env=child_env(),
         preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl, safe before exec
         stdout=subprocess.PIPE,
@@ -152,10 +157,20 @@ async def _echo(endpoint: str) -> None:
         await sock.send_multipart(frames, copy=False)
 
 
-def run_echo_server(endpoint: str) -> None:
+def run_echo_server(endpoint: str, *, blocking: bool = False) -> None:
     """Serve echoes until SIGTERM."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run_async(_echo(endpoint))
+    if not blocking:
+        run_async(_echo(endpoint))
+        return
+    import zmq
+
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    print("ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
@@ -184,7 +199,7 @@ def idle_cpu(pid: int, seconds: float) -> float:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "echo":
-        run_echo_server(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] in ("echo", "echo-blocking"):
+        run_echo_server(sys.argv[2], blocking=sys.argv[1] == "echo-blocking")
     else:
-        sys.exit("usage: python -m kvsidecar.bench.procs echo ENDPOINT")
+        sys.exit("usage: python -m kvsidecar.bench.procs echo|echo-blocking ENDPOINT")

@@ -33,6 +33,7 @@ from __future__ import annotations
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers
+from kvsidecar.client.requests import BatchMove
 from kvsidecar.client.sync import SidecarClient
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
@@ -40,6 +41,7 @@ from kvsidecar.wire.types import BufferSetRef, WorkerRef
 
 __all__ = [
     "AsyncSidecarClient",
+    "BatchMove",
     "BufferSetRef",
     "Ids",
     "SidecarClient",

@@ -16,7 +16,9 @@ import torch
 from kvsidecar.client.aio_transport import _AsyncTransport
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.common import _Registration
+from kvsidecar.client.requests import BatchMove
 from kvsidecar.core import layout
+from kvsidecar.wire.batch import MovedBatch
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
@@ -135,6 +137,21 @@ class AsyncSidecarClient(_AsyncTransport):
             src, dst, src_ids, dst_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return await self._run(call)
+
+    async def move_batch(
+        self,
+        moves: Sequence[BatchMove],
+        *,
+        checksum: bool | None = None,
+        timeout: float | None = None,
+    ) -> MovedBatch:
+        """Run many moves in one command (an engine step's requests): one round trip in all.
+
+        Each `BatchMove` is what `move` takes; each is checked on its own: the reply holds one
+        `MoveResult` per move, in order, with ``error_code`` set on those that failed (the
+        others ran). The moves run in order, so a later move sees what an earlier one wrote.
+        """
+        return await self._run(self._move_batch(moves, checksum, timeout))
 
     async def offload(
         self,

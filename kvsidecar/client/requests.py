@@ -22,6 +22,7 @@ from kvsidecar.client.common import _Base, _Registration
 from kvsidecar.client.export import export_layers
 from kvsidecar.memory.cuda_sync import Sync
 from kvsidecar.memory.fd_channel import MAX_FDS, FdChannelClient
+from kvsidecar.wire.batch import MoveBatch, MovedBatch, MoveItem
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids
 from kvsidecar.wire.protocol import (
@@ -58,6 +59,18 @@ from kvsidecar.wire.protocol import (
 )
 from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import BufferSetRef, LayoutSpec, Medium, MemoryOrder, WorkerRef
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMove:
+    """One move of a `SidecarClient.move_batch`: the arguments of a `SidecarClient.move`."""
+
+    src: BufferSetRef
+    dst: BufferSetRef
+    src_ids: Ids
+    dst_ids: Ids
+    layers: list[str] | None = None
+    request_ids: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +274,33 @@ class _Requests(_Base):
             events=None if sync is None else sync.before(),
         )
         return _Call(req, Moved, _reply if sync is None else _then(sync), (s, d), timeout)
+
+    def _move_batch(
+        self, moves: Sequence[BatchMove], checksum: bool | None, timeout: float | None
+    ) -> _Call[MovedBatch, MovedBatch]:
+        items, src_parts, dst_parts = [], [], []
+        for m in moves:
+            s = _as_id_array(m.src_ids).astype(np.int64)
+            d = _as_id_array(m.dst_ids).astype(np.int64)
+            src_parts.append(s)
+            dst_parts.append(d)
+            items.append(
+                MoveItem(
+                    src=self._stamp(m.src),
+                    dst=self._stamp(m.dst),
+                    num_src=int(s.size),
+                    num_dst=int(d.size),
+                    layers=m.layers,
+                    request_ids=list(m.request_ids),
+                )
+            )
+        empty = np.zeros(0, np.int64)
+        frames = (
+            np.concatenate(src_parts) if src_parts else empty,
+            np.concatenate(dst_parts) if dst_parts else empty,
+        )
+        req = MoveBatch(id=self._codec.next_id(), items=items, checksum=checksum)
+        return _Call(req, MovedBatch, _reply, frames, timeout)
 
     def _fix(
         self,

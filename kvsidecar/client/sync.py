@@ -15,8 +15,10 @@ import torch
 
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.common import _Registration
+from kvsidecar.client.requests import BatchMove
 from kvsidecar.client.sync_transport import _BlockingTransport
 from kvsidecar.core import layout
+from kvsidecar.wire.batch import MovedBatch
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
@@ -145,6 +147,21 @@ class SidecarClient(_BlockingTransport):
             src, dst, src_ids, dst_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return self._run(call)
+
+    def move_batch(
+        self,
+        moves: Sequence[BatchMove],
+        *,
+        checksum: bool | None = None,
+        timeout: float | None = None,
+    ) -> MovedBatch:
+        """Run many moves in one command (an engine step's requests): one round trip in all.
+
+        Each `BatchMove` is what `move` takes; each is checked on its own: the reply holds one
+        `MoveResult` per move, in order, with ``error_code`` set on those that failed (the
+        others ran). The moves run in order, so a later move sees what an earlier one wrote.
+        """
+        return self._run(self._move_batch(moves, checksum, timeout))
 
     def offload(
         self,

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     FixLayout,
@@ -234,6 +235,10 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
         case Move():
             acl.check(who, req.src.worker.engine_id, write=False, what="move source")
             acl.check(who, req.dst.worker.engine_id, write=True, what="move destination")
+        case MoveBatch():
+            for item in req.items:
+                acl.check(who, item.src.worker.engine_id, write=False, what="move source")
+                acl.check(who, item.dst.worker.engine_id, write=True, what="move destination")
         case FixLayout():
             acl.check(who, req.target.worker.engine_id, write=True, what="fix_layout")
         case HostAlloc() | HostFree():

@@ -18,15 +18,17 @@ from typing import Any, Protocol
 
 from kvsidecar import __version__
 from kvsidecar.daemon.admission import Admission  # reliability
+from kvsidecar.daemon.batch import PreparedBatch, prepare_batch
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.jobs import Job, prepare_move
-from kvsidecar.daemon.metrics import LayoutFixKind
+from kvsidecar.daemon.metrics import LayoutFixKind, MoveKind
 from kvsidecar.daemon.observability import Observability, move_fix_kind, move_kind
 from kvsidecar.daemon.registry import Registry, Worker
 from kvsidecar.memory.base import HandleError
 from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.wire.batch import MoveBatch, MovedBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids, encode_ids
 from kvsidecar.wire.protocol import (
@@ -113,6 +115,59 @@ class Commands:
             track=lambda reply: self._track_move(req, fix, invalid, reply),
         )
 
+    def _move_batch(
+        self, req: MoveBatch, data: list[memoryview], respond: ReplySink
+    ) -> asyncio.Future[Reply]:
+        """Check a batch item by item and run its items as one job (`kvsidecar.daemon.batch`)."""
+        src_ids = self._ids(data[0], req.ids_dtype, "source")
+        dst_ids = self._ids(data[1], req.ids_dtype, "destination")
+        checksum = self.config.checksum if req.checksum is None else req.checksum
+        batch = prepare_batch(self.registry, req, src_ids, dst_ids, checksum=checksum)
+        # Classified now, as for a move: by the end the workers may have left the registry.
+        kinds = [
+            (move_kind(it.move.src, it.move.dst), move_fix_kind(self.registry, it.move))
+            if it.job is not None
+            else None
+            for it in batch.items
+        ]
+        return self._run_job(
+            batch.job,
+            req.id,
+            move=True,
+            respond=respond,
+            track=lambda outcome: self._track_batch(batch, kinds, outcome),
+            build=batch.reply,
+        )
+
+    def _track_batch(
+        self,
+        batch: PreparedBatch,
+        kinds: list[tuple[MoveKind, LayoutFixKind | None] | None],
+        outcome: asyncio.Future[Reply],
+    ) -> None:
+        """Metrics and completions of a batch's items that ran (as `_track_move` for each)."""
+        whole: str | None = None  # the batch's own failure, shared by every item that ran
+        if outcome.cancelled():
+            whole = "shutting_down"
+        elif (failure := outcome.exception()) is not None:
+            whole = failure.code if isinstance(failure, SidecarError) else "internal"
+        seconds = time.perf_counter() - batch.started
+        for item, kind in zip(batch.items, kinds, strict=True):
+            if kind is None:  # refused by its checks: it never ran, nothing to credit
+                continue
+            move, result = item.move, item.result
+            code = whole or (result.error_code if result is not None else "internal")
+            if code:
+                self.observability.move_failed(kind[0], code)
+                self.completions.move_finished(
+                    move.src, move.dst, move.request_ids, ok=False, dst_ids=item.dst_ids.tolist()
+                )
+                continue
+            assert result is not None
+            self.observability.move_done(kind[0], move.dst.worker.engine_id, result.nbytes, seconds)
+            self.observability.layout_fixed(kind[1])
+            self.completions.move_finished(move.src, move.dst, move.request_ids, ok=True)
+
     def _track_move(
         self,
         req: Move,
@@ -149,8 +204,12 @@ class Commands:
         move: bool,
         respond: ReplySink,
         track: Callable[[asyncio.Future[Reply]], None] | None = None,
+        build: Callable[[int], Reply] | None = None,
     ) -> asyncio.Future[Reply]:
         """Submit a checked job and answer it through ``respond``; returns its outcome.
+
+        ``build`` makes the reply of a job that ran (given the request id) instead of the
+        `Moved` (or `Fixed`) made from the job's fields: a batch's `MovedBatch`.
 
         A job that succeeds is answered from its copy thread, right after the copy: waking the
         event loop first would add a thread hand-off to every short move's round trip. The loop
@@ -170,11 +229,14 @@ class Commands:
         started = time.perf_counter()
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
+        def success(nbytes: int) -> Reply:
+            return self._success_reply(
+                job, request_id, nbytes, owners=owners, move=move, started=started, build=build
+            )
+
         def on_thread(nbytes: int) -> None:
             try:
-                reply = self._success_reply(
-                    job, request_id, nbytes, owners=owners, move=move, started=started
-                )
+                reply = success(nbytes)
             except SidecarError:  # a worker left meanwhile: the loop answers worker_lost
                 return
             respond.send(reply, from_thread=True)
@@ -186,13 +248,7 @@ class Commands:
             # here on the thread can no longer answer: this callback does.
             sent = respond.claim()
             try:
-                if sent is not None:
-                    reply = sent
-                else:
-                    nbytes = _copied(pending, self.draining)
-                    reply = self._success_reply(
-                        job, request_id, nbytes, owners=owners, move=move, started=started
-                    )
+                reply = sent if sent is not None else success(_copied(pending, self.draining))
             except BaseException as exc:  # handed on to the reply
                 if move:
                     self.moves_failed_total += 1
@@ -228,6 +284,7 @@ class Commands:
         owners: dict[WorkerRef, Worker | None],
         move: bool,
         started: float,
+        build: Callable[[int], Reply] | None = None,
     ) -> Reply:
         """Return the reply of a job that ran to the end; ``worker_lost`` if a worker left.
 
@@ -242,6 +299,8 @@ class Commands:
             )
         if not move:
             return Fixed(id=request_id, blocks=job.blocks)
+        if build is not None:
+            return build(request_id)
         check = job.verification
         return Moved(
             id=request_id,
@@ -254,17 +313,23 @@ class Commands:
         )
 
     def _count(self, reply: Reply, request_id: int) -> None:
-        """Add a finished move to the daemon's totals (on the loop)."""
-        if not isinstance(reply, Moved):
-            return
+        """Add a finished move (or a batch's moves) to the daemon's totals (on the loop)."""
+        if isinstance(reply, MovedBatch):
+            for result in reply.results:
+                if not result.error_code:
+                    self._count_one(request_id, result.nbytes, result.invalid_block_ids)
+        elif isinstance(reply, Moved):
+            self._count_one(request_id, reply.nbytes, reply.invalid_block_ids)
+
+    def _count_one(self, request_id: int, nbytes: int, invalid_block_ids: list[int]) -> None:
         self.moves_total += 1
-        self.bytes_moved_total += reply.nbytes
-        if reply.invalid_block_ids:
+        self.bytes_moved_total += nbytes
+        if invalid_block_ids:
             self.integrity_failures_total += 1
             log.warning(
                 "move %d: checksum mismatch on destination blocks %s",
                 request_id,
-                reply.invalid_block_ids[:16],
+                invalid_block_ids[:16],
             )
 
     def _status(self, req: Status) -> StatusReply:

@@ -1,8 +1,8 @@
-"""The daemon's settings: one table, one frozen `Config`, validated once.
+"""The daemon's settings as one frozen `Config`, validated once.
 
-Every setting is declared once in `SETTINGS` with its type, default and help text. The same table
-gives the TOML keys, the ``KVSIDECAR_*`` environment variables and (in the CLI) the command-line
-flags and ``--help``, so a setting cannot exist in one place and be missing in another.
+Every setting is declared once in `kvsidecar.daemon.settings.SETTINGS` with its type, default
+and help text; this module parses values from a TOML file, the ``KVSIDECAR_*`` environment and
+flags into a `Config`, and checks at import that its fields match the table.
 
 Precedence, lowest to highest: defaults, TOML file, environment, explicit overrides (flags).
 """
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from kvsidecar.daemon.settings import SETTINGS, Setting
 from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
 
 if sys.version_info >= (3, 11):
@@ -22,248 +23,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-ENV_PREFIX = "KVSIDECAR_"
-"""Prefix of every environment variable that sets a config value."""
-
 
 class ConfigError(ValueError):
     """A setting has a value the daemon cannot run with; the message names the setting."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One entry of the settings table: name, type, default and a help line."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-
-    @property
-    def env_var(self) -> str:
-        """The environment variable that sets this value, e.g. ``KVSIDECAR_LEASE_S``."""
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag(self) -> str:
-        """The command-line flag that sets this value, e.g. ``--lease-s``."""
-        return "--" + self.name.replace("_", "-")
-
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        "endpoint",
-        str,
-        "",
-        "ZeroMQ control endpoint (ipc:// or tcp://). Empty: ipc://<runtime_dir>/control.sock.",
-    ),
-    Setting(
-        "runtime_dir",
-        str,
-        "",
-        "Private directory (mode 0700) for the ipc and fd-channel sockets. Empty: "
-        "$XDG_RUNTIME_DIR/kvsidecar, else /tmp/kvsidecar-<uid>.",
-    ),
-    Setting(
-        "fd_socket",
-        str,
-        "",
-        "Unix socket on which workers pass shared-memory fds. Empty: <runtime_dir>/fd.sock.",
-    ),
-    Setting(
-        "host_pool_bytes",
-        int,
-        1 << 30,
-        "Bytes of the daemon-owned host block pool, allocated and touched at start.",
-    ),
-    Setting(
-        "require_cuda",
-        bool,
-        False,
-        "Refuse to start (exit 3) unless CUDA works and shows a GPU: set it on GPU nodes, so a "
-        "daemon that cannot see the GPUs fails at start, not at the first registration.",
-    ),
-    Setting("copy_threads", int, 2, "Threads of the copy executor (moves run concurrently)."),
-    Setting(
-        "lease_s",
-        float,
-        10.0,
-        "Worker lease: a worker silent for this long is dropped and its mappings released.",
-    ),
-    Setting(
-        "drain_timeout_s",
-        float,
-        10.0,
-        "On SIGTERM/SIGINT, how long in-flight moves may run before they are failed.",
-    ),
-    Setting(
-        "max_message_bytes",
-        int,
-        64 << 20,
-        "Largest accepted request (all frames together); larger ones get a too_large error.",
-    ),
-    Setting(
-        "max_header_bytes",
-        int,
-        1 << 20,
-        "Largest accepted request header frame (the msgpack part).",
-    ),
-    Setting(
-        "max_ids_per_command",
-        int,
-        1 << 20,
-        "Most block ids one command may carry in one id frame.",
-    ),
-    Setting(
-        "fd_wait_s",
-        float,
-        5.0,
-        "How long a register waits for its fds to arrive on the fd channel.",
-    ),
-    Setting("use_uvloop", bool, True, "Run the event loop on uvloop when it is installed."),
-    Setting("log_level", str, "info", "Logging level: debug, info, warning, error."),
-    # --- peer (node-to-node transfer, kvsidecar/peer/) ---
-    Setting(
-        "peer_endpoint",
-        str,
-        "",
-        "tcp://host:port on which other daemons pull this node's blocks. Empty: no peer "
-        "endpoint (this daemon can still pull from others).",
-    ),
-    Setting(
-        "peer_data_plane",
-        str,
-        "auto",
-        "How block bytes travel between daemons: nixl, zmq, or auto (NIXL when installed and "
-        "working and a peer endpoint is set, else ZMQ).",
-    ),
-    Setting(
-        "peer_lease_s",
-        float,
-        60.0,
-        "How long published blocks are held for a remote reader that never comes.",
-    ),
-    Setting(
-        "peer_pull_timeout_s",
-        float,
-        30.0,
-        "Bound on one pull (handshake and data); past it the request is failed.",
-    ),
-    Setting(
-        "peer_handshake_timeout_s",
-        float,
-        5.0,
-        "Bound on the handshake with a remote daemon (an unreachable peer fails this fast).",
-    ),
-    Setting(
-        "peer_max_in_flight",
-        int,
-        8,
-        "Read chunks in flight per remote daemon on the ZMQ plane.",
-    ),
-    Setting(
-        "peer_chunk_bytes",
-        int,
-        4 << 20,
-        "Bytes per read chunk on the ZMQ plane (one request/reply message).",
-    ),
-    # --- metrics endpoint (kvsidecar/observability.py) ---
-    Setting(
-        "metrics_host",
-        str,
-        "127.0.0.1",
-        "Address of the HTTP endpoint serving /metrics, /healthz and /readyz.",
-    ),
-    Setting(
-        "metrics_port",
-        int,
-        9464,
-        "Port of the HTTP endpoint; 0 picks a free port (logged, and in status), -1 disables it.",
-    ),
-    Setting(
-        "metrics_grace_s",
-        float,
-        30.0,
-        "How long a departed engine's metric series stay (two scrape intervals or more).",
-    ),
-    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
-    Setting(
-        "allowed_uids",
-        str,
-        "",
-        "Comma-separated uids that may connect to the ipc endpoint and the fd channel. Empty: "
-        "the daemon's own uid only.",
-    ),
-    Setting(
-        "curve_secret_key",
-        str,
-        "",
-        "CurveZMQ secret key file of this daemon (from `kvsidecar keygen`); required for a tcp "
-        "endpoint unless insecure.",
-    ),
-    Setting(
-        "curve_authorized_keys",
-        str,
-        "",
-        "File or directory of the CurveZMQ public keys allowed to connect over tcp. Empty: only "
-        "this daemon's own public key.",
-    ),
-    Setting(
-        "insecure",
-        bool,
-        False,
-        "Allow plain tcp without CurveZMQ (anyone who reaches the port is trusted). Logged and "
-        "exported as kvsidecar_insecure_transport.",
-    ),
-    Setting(
-        "max_moves_per_worker",
-        int,
-        256,
-        "Moves and fixes queued or running per worker; beyond it commands get a busy error.",
-    ),
-    Setting(
-        "max_moves_total",
-        int,
-        4096,
-        "Moves and fixes queued or running on the daemon; beyond it commands get a busy error.",
-    ),
-    Setting(
-        "checksum",
-        bool,
-        False,
-        "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
-        "for it on its own).",
-    ),
-    # --- limits on sizes from the wire and on what one user may hold (issue 13) ---
-    Setting(
-        "max_layers",
-        int,
-        1024,
-        "Most layers one registration may carry; more get a too_large error.",
-    ),
-    Setting(
-        "max_host_blocks",
-        int,
-        1 << 22,
-        "Most host blocks one engine may declare (host_blocks); more get a too_large error.",
-    ),
-    Setting(
-        "host_pool_user_bytes",
-        int,
-        0,
-        "Most host-pool bytes the host mirrors of one user (uid, or CURVE key) may hold; beyond "
-        "it a registration gets pool_exhausted. 0: the whole pool. Set it when allowed_uids "
-        "admits other users.",
-    ),
-    Setting(
-        "max_reply_bytes",
-        int,
-        64 << 20,
-        "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
-        "them yet, all connections together; beyond it such requests get a busy error.",
-    ),
-)
-"""Every setting of the daemon, in the order ``--help`` lists them."""
 
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -331,6 +94,8 @@ class Config:
     peer_handshake_timeout_s: float = 5.0
     peer_max_in_flight: int = 8
     peer_chunk_bytes: int = 4 << 20
+    peer_streams: int = 2
+    peer_keep_freed_memory: bool = True
     # --- metrics endpoint ---
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
@@ -391,6 +156,8 @@ class Config:
             raise ConfigError("peer_max_in_flight must be >= 1")
         if self.peer_chunk_bytes < 4096:
             raise ConfigError("peer_chunk_bytes must be >= 4096")
+        if not 1 <= self.peer_streams <= 64:
+            raise ConfigError("peer_streams must be 1..64")
         # --- metrics endpoint ---
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(

@@ -29,6 +29,7 @@ from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
 from kvsidecar.daemon.observability import Observability
 from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.wire import zmqio
+from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     REQUEST_TAGS,
@@ -51,9 +52,16 @@ from kvsidecar.wire.protocol import (
 
 log = logging.getLogger("kvsidecar.daemon")
 
-DATA_FRAMES: dict[type, int] = {Move: 2, FixLayout: 1, HostFree: 1, Pull: 2, Publish: 1}
+DATA_FRAMES: dict[type, int] = {
+    Move: 2,
+    FixLayout: 1,
+    HostFree: 1,
+    Pull: 2,
+    Publish: 1,
+    MoveBatch: 2,
+}
 """Raw frames each request carries after its header (others: none). Pull: (remote ids, local
-ids); Publish: the published ids."""
+ids); Publish: the published ids; MoveBatch: (every item's source ids, destination ids)."""
 
 _Frames = list[zmq.Frame]
 _BURST = 64
@@ -291,7 +299,7 @@ class Edge:
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
             self._replies.add(result)
-            if isinstance(request, Move | FixLayout):  # answered by `Commands._run_job`
+            if isinstance(request, Move | FixLayout | MoveBatch):  # by `Commands._run_job`
                 result.add_done_callback(self._replies.discard)
                 return
 

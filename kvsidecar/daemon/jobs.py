@@ -63,12 +63,19 @@ def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
         )
 
 
-def _check_unique(ids: IdArray, what: str) -> None:
+def _check_unique(ids: IdArray, what: str, num_blocks: int) -> None:
+    """Refuse an id that appears twice; ``ids`` are already checked to lie in 0..num_blocks-1."""
     if ids.size <= 1:
         return
     if ids.size <= mover.SMALL_MOVE_IDS:
         values = ids.tolist()
         if len(set(values)) == len(values):
+            return
+    elif ids.size * 64 >= num_blocks:
+        # One flag per block rather than a sort: 4 µs instead of 86 for 1024 ids of 4096 blocks.
+        seen = np.zeros(num_blocks, dtype=np.bool_)
+        seen[ids] = True
+        if int(np.count_nonzero(seen)) == ids.size:
             return
     elif np.unique(ids).size == ids.size:
         return
@@ -229,7 +236,7 @@ def prepare_move(
         )
     _check_range(src_ids, src.num_blocks, "source")
     _check_range(dst_ids, dst.num_blocks, "destination")
-    _check_unique(dst_ids, "destination")
+    _check_unique(dst_ids, "destination", dst.num_blocks)
     if src is dst and _overlap(src_ids, dst_ids):
         raise SidecarError(
             "invalid_message", "source and destination blocks overlap in the same buffer set"
@@ -340,7 +347,7 @@ def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
         ratio = desc.block_size // cmd.remote.block_size
     _check_range(ids, target.num_blocks, "block")
     # A block fixed twice would be scrambled, so duplicates are refused like in a move.
-    _check_unique(ids, "block")
+    _check_unique(ids, "block", target.num_blocks)
     index = torch.from_numpy(ids.astype(np.int64))
     layers = [target.layers[n] for n in names]
     remote = cmd.remote.memory_order

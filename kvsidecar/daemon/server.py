@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -70,6 +71,7 @@ from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire import zmqio
+from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     Collect,
@@ -270,6 +272,10 @@ class Daemon(Edge, Registration, Commands):
         log.info(
             "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
         )
+        # What exists now (torch, numpy, sockets, settings) lives as long as the daemon: out of
+        # the cyclic collector's way, whose full passes otherwise walk it all (a profile of a
+        # 1 GiB pull found them at 12% of the consumer's and 45% of the producer's samples).
+        gc.freeze()
         self.started.set()
 
     async def shutdown(self) -> None:
@@ -365,6 +371,8 @@ class Daemon(Edge, Registration, Commands):
                 return self._host_free(req, data[0]), ()
             case Move():
                 return self._move(req, data, reply_to)
+            case MoveBatch():
+                return self._move_batch(req, data, reply_to)
             case Grant():  # security
                 return self._grant(req, who), ()
             case FixLayout():

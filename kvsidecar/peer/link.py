@@ -1,13 +1,14 @@
 """`PeerLink`: one pulling daemon's connection to one remote daemon's peer endpoint.
 
-A DEALER socket with a reader task that matches replies to requests by id, so handshakes, reads
-and notifications to one peer share one connection and several reads are in flight at once. The
-bytes of a `ReadData` reply are received straight into the caller's destination buffers
-(`zmq.Socket.recv_into`): each data frame lands in the local block memory it belongs to,
-without an intermediate message buffer being handed to Python.
+A DEALER socket with a reader task that matches replies to requests by id carries the
+handshakes and notifications. The ZMQ plane's reads go over the link's data streams
+(`kvsidecar.peer.streams.DataStream`, ``peer_streams`` of them, opened at the first read): each
+its own connection and thread, receiving data frames straight into the destination buffers.
+`PeerLink.read` spreads chunks over them, at most ``max_in_flight`` at once per link.
 
 A socket monitor turns a dropped TCP connection (the producer died) into an immediate
-`PeerGone` for every request in flight, instead of waiting for their timeouts.
+`PeerGone` for every request in flight, instead of waiting for their timeouts; each stream
+watches its own connection the same way.
 """
 
 from __future__ import annotations
@@ -20,39 +21,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvsidecar.peer.messages import PeerError, PeerReply, PeerRequest, ReadData
+from kvsidecar.peer.messages import PeerError, PeerReply, PeerRequest, ReadBlocks, ReadData
+from kvsidecar.peer.streams import Chunk, DataStream, Dest, PeerGone, PeerRefused
 from kvsidecar.wire.curve import KeyPair, secure_client_socket  # security
 
+__all__ = ["Dest", "PeerGone", "PeerLink", "PeerRefused"]
+
 log = logging.getLogger("kvsidecar.peer")
-
-Dest = npt.NDArray[np.uint8]
-"""A writable, contiguous byte array that one data frame is received into."""
-
-
-class PeerGone(Exception):
-    """The remote daemon cannot be reached, went away, or did not answer in time."""
-
-
-class PeerRefused(Exception):
-    """The remote daemon answered with a `PeerError`."""
-
-    def __init__(self, error: PeerError) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-
-
-class _Pending:
-    __slots__ = ("dests", "future")
-
-    def __init__(self, future: asyncio.Future[PeerReply], dests: Sequence[Dest]) -> None:
-        self.future = future
-        self.dests = dests
 
 
 class PeerLink:
@@ -65,11 +44,16 @@ class PeerLink:
         max_in_flight: int,
         *,
         curve: tuple[bytes, KeyPair] | None = None,
+        streams: int = 1,
     ) -> None:
         self.endpoint = endpoint
         self.slots = asyncio.Semaphore(max_in_flight)
         """Read chunks in flight on this link (shared by every pull to this peer)."""
         self.closed = False
+        self._ctx = ctx
+        self._curve = curve
+        self._stream_count = streams
+        self._streams: list[DataStream] = []
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
@@ -84,8 +68,8 @@ class PeerLink:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerReply)
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self.connected = False
+        self._pending: dict[int, asyncio.Future[PeerReply]] = {}
+        self._connected = False
         self.lost = False
         """True once an established connection dropped: the link then refuses new requests
         (`PeerService.link` replaces it), so nothing waits on a dead peer."""
@@ -98,21 +82,21 @@ class PeerLink:
         """Return a fresh request id for this link."""
         return next(self._ids)
 
+    @property
+    def connected(self) -> bool:
+        """Whether the control connection is up and no data stream has lost its connection."""
+        return self._connected and not any(s.broken for s in self._streams)
+
     async def request(
-        self,
-        msg: PeerRequest,
-        frames: Sequence[Any] = (),
-        dests: Sequence[Dest] = (),
-        *,
-        timeout: float,
+        self, msg: PeerRequest, frames: Sequence[Any] = (), *, timeout: float
     ) -> PeerReply:
-        """Send ``msg`` (+ raw ``frames``) and wait for its reply; data frames land in ``dests``.
+        """Send ``msg`` (+ raw ``frames``) on the control socket and wait for its reply.
 
         Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused` (`PeerError`).
         """
         self._check_usable()
         fut: asyncio.Future[PeerReply] = asyncio.get_running_loop().create_future()
-        self._pending[msg.id] = _Pending(fut, dests)
+        self._pending[msg.id] = fut
         try:
             await self._sock.send_multipart([self._encoder.encode(msg), *frames], copy=False)
             reply = await asyncio.wait_for(fut, max(timeout, 0.0))
@@ -124,6 +108,38 @@ class PeerLink:
             self._pending.pop(msg.id, None)
         if isinstance(reply, PeerError):
             raise PeerRefused(reply)
+        return reply
+
+    async def read(
+        self, msg: ReadBlocks, frames: list[Any], dests: Sequence[Dest], *, timeout: float
+    ) -> ReadData:
+        """Send a read on the least busy data stream; its data frames land in ``dests``.
+
+        Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused`. When it raises,
+        or is cancelled, no byte of the reply lands after it returned.
+        """
+        self._check_usable()
+        if not self._streams:
+            self._streams = [
+                DataStream(self._ctx, self.endpoint, curve=self._curve, name=f"{i}")
+                for i in range(self._stream_count)
+            ]
+        stream = min(self._streams, key=lambda s: s.in_flight)
+        stream.in_flight += 1
+        chunk = stream.submit(msg, frames, dests)
+        try:
+            done, _ = await asyncio.wait((chunk.future,), timeout=max(timeout, 0.0))
+            if not done:
+                await _withdraw(stream, chunk)
+                raise PeerGone(f"no reply from {self.endpoint} to a read within {timeout:.1f} s")
+        except asyncio.CancelledError:
+            await _withdraw(stream, chunk)
+            raise
+        finally:
+            stream.in_flight -= 1
+        reply = chunk.future.result()
+        if not isinstance(reply, ReadData):
+            raise PeerGone(f"unexpected {type(reply).__name__} to a read")
         return reply
 
     async def send(self, msg: PeerRequest) -> None:
@@ -150,33 +166,11 @@ class PeerLink:
                 log.warning("unreadable reply from %s: %s", self.endpoint, exc)
                 self._drain()
                 continue
-            pending = self._pending.get(reply.id)
-            if pending is None or pending.future.done():
-                self._drain()  # a reply to a request that timed out
+            self._drain()  # control replies carry no data frames
+            fut = self._pending.get(reply.id)
+            if fut is None or fut.done():  # a reply to a request that timed out
                 continue
-            if isinstance(reply, ReadData):
-                try:
-                    self._receive_into(pending.dests)
-                except PeerGone as exc:
-                    self._drain()
-                    pending.future.set_exception(exc)
-                    continue
-            else:
-                self._drain()
-            pending.future.set_result(reply)
-
-    def _receive_into(self, dests: Sequence[Dest]) -> None:
-        # A multipart message arrives whole: once the header is here, so is every data frame,
-        # and these non-blocking reads never wait.
-        sock = self._sock
-        for i, dest in enumerate(dests):
-            if not sock.get(zmq.RCVMORE):
-                raise PeerGone(f"{self.endpoint} sent {i} data frames, {len(dests)} expected")
-            got = zmq.Socket.recv_into(sock, dest.data, flags=zmq.NOBLOCK)
-            if got != dest.nbytes:
-                raise PeerGone(f"{self.endpoint} sent a frame of {got} bytes for {dest.nbytes}")
-        if sock.get(zmq.RCVMORE):
-            raise PeerGone(f"{self.endpoint} sent more data frames than requested")
+            fut.set_result(reply)
 
     def _drain(self) -> None:
         while self._sock.get(zmq.RCVMORE):
@@ -186,17 +180,17 @@ class PeerLink:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                self.connected = True
+                self._connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self.connected = False
+                self._connected = False
                 self.lost = True
                 self.fail_all(PeerGone(f"connection to {self.endpoint} lost"))
 
     def fail_all(self, exc: Exception) -> None:
         """Fail every request in flight on this link with ``exc``."""
-        for pending in list(self._pending.values()):
-            if not pending.future.done():
-                pending.future.set_exception(exc)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(exc)
 
     async def close(self) -> None:
         """Fail what is in flight, stop the tasks, close the sockets. Idempotent."""
@@ -211,3 +205,14 @@ class PeerLink:
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+        for stream in self._streams:
+            stream.close()
+        self._streams = []
+
+
+async def _withdraw(stream: DataStream, chunk: Chunk) -> None:
+    """Give a chunk up; if its reply is landing already, wait until the copy is over."""
+    if not stream.cancel(chunk):
+        await asyncio.wait((chunk.future,))
+        if not chunk.future.cancelled():
+            chunk.future.exception()  # retrieved: the caller reports its own failure

@@ -332,58 +332,69 @@ def _check_ids(ids: I64, geo: Geometry, side: str) -> None:
         raise PlanError(f"{side} block ids out of range 0..{geo.num_blocks - 1}")
 
 
+Runs = tuple[I64, I64, I64]
+"""Coalesced runs of one K/V region: (remote starts, local starts, lengths)."""
+
+
 @dataclass(eq=False)
 class _Reads:
     """The rows gathered for one remote worker until they become its `ReadPlan`."""
 
     layers: list[str] = field(default_factory=list)
-    ranges: list[I64] = field(default_factory=list)
-    dests: list[I64] = field(default_factory=list)
+    rows: list[tuple[int, int, Runs]] = field(default_factory=list)
+    """(remote layer index, local layer index, runs), in the order they were added."""
 
-    def add(self, name: str, local_index: int, runs: tuple[I64, I64, I64]) -> None:
-        """Add coalesced runs ``(remote starts, local starts, lengths)`` of layer ``name``."""
+    def add(self, name: str, local_index: int, runs: Runs) -> None:
+        """Add coalesced runs of layer ``name`` (kept as they are: arrays are built once)."""
         if name not in self.layers:
             self.layers.append(name)
-        starts_r, starts_l, lengths = runs
-        remote_index = np.full(starts_r.size, self.layers.index(name), np.int64)
-        self.ranges.append(np.stack([remote_index, starts_r, lengths], 1))
-        self.dests.append(np.stack([np.full(starts_l.size, local_index, np.int64), starts_l], 1))
+        self.rows.append((self.layers.index(name), local_index, runs))
 
     def plan(self, tp: int, pp: int, local_layers: list[str]) -> ReadPlan:
         """Return the read of remote worker ``tp``, ``pp`` with every row gathered."""
+        counts = [runs[0].size for _, _, runs in self.rows]
+        remote_index = np.repeat(np.array([r for r, _, _ in self.rows], np.int64), counts)
+        local_index = np.repeat(np.array([li for _, li, _ in self.rows], np.int64), counts)
+        starts_r, starts_l, lengths = (
+            np.concatenate([runs[k] for _, _, runs in self.rows]).astype(np.int64) for k in range(3)
+        )
         return ReadPlan(
             remote_tp_rank=tp,
             remote_pp_rank=pp,
             remote_layers=self.layers,
             local_layers=list(local_layers),
-            ranges=np.ascontiguousarray(np.concatenate(self.ranges), dtype=np.int64),
-            dest=np.ascontiguousarray(np.concatenate(self.dests), dtype=np.int64),
+            ranges=np.ascontiguousarray(np.stack([remote_index, starts_r, lengths], 1)),
+            dest=np.ascontiguousarray(np.stack([local_index, starts_l], 1)),
         )
 
 
-def _add_source(
-    reads: _Reads,
+def _source_runs(
     source: Source,
     rdesc: BufferDescriptor,
+    ldesc: BufferDescriptor,
     blocks: _Blocks,
     *,
     name: str,
-    local_index: int,
-    lgeo: Geometry,
     max_frame: int,
-) -> None:
-    """Add the ranges that bring one source's bytes of layer ``name``, each K/V region apart."""
+) -> list[Runs]:
+    """Return the runs that bring one source's bytes of a layer, one entry per K/V region.
+
+    They depend on the layer only through its two descriptors: `plan_rank` computes them once
+    per distinct pair, not once per layer.
+    """
     _, roff, length, loff = source
-    rgeo = geometry(rdesc)
+    rgeo, lgeo = geometry(rdesc), geometry(ldesc)
     _check_ids(blocks.remote_ids, rgeo, "remote")
     if len(rgeo.bases) != len(lgeo.bases):
         raise PlanError(f"layer {name!r}: K/V regions differ between the engines")
     rows, bs = blocks.local_rows, blocks.ratio
     lsub = lgeo.block_len // bs
+    out = []
     for k in range(len(lgeo.bases)):
         ro = rgeo.bases[k] + blocks.remote_ids * rgeo.stride + roff
         lo = lgeo.bases[k] + (rows // bs) * lgeo.stride + (rows % bs) * lsub + loff
-        reads.add(name, local_index, _coalesce(ro, lo, length, max_frame))
+        out.append(_coalesce(ro, lo, length, max_frame))
+    return out
 
 
 def plan_rank(
@@ -408,30 +419,34 @@ def plan_rank(
     fixes: list[tuple[str, MemoryOrder]] = []
     notify: set[tuple[int, int]] = set()
     expected = 1
+    # Layers share descriptors (usually all of them one): topology and runs once per pair.
+    sourced: dict[tuple[BufferDescriptor, BufferDescriptor], tuple[list[Source], list[int], int]]
+    sourced = {}
+    runs: dict[tuple[Source, BufferDescriptor, BufferDescriptor], list[Runs]] = {}
+    checked: set[BufferDescriptor] = set()
     for li, name in enumerate(worker.layers):
         pp = ranks.home(name)
         ldesc = worker.descriptors[li]
-        sources, targets, expected = _sources(
-            local, worker, remote, ldesc, ranks.first_descriptor(pp)
-        )
+        first = ranks.first_descriptor(pp)
+        if (ldesc, first) not in sourced:
+            sourced[ldesc, first] = _sources(local, worker, remote, ldesc, first)
+        sources, targets, expected = sourced[ldesc, first]
         notify.update((q, pp) for q in targets)
-        lgeo = geometry(ldesc)
-        _check_ids(blocks.local_ids, lgeo, "local")
+        if ldesc not in checked:
+            _check_ids(blocks.local_ids, geometry(ldesc), "local")
+            checked.add(ldesc)
         rdesc: BufferDescriptor | None = None
         for source in sources:
             rw = ranks.worker(source[0], pp)
             rdesc = rw.descriptors[rw.layers.index(name)]
+            key = (source, rdesc, ldesc)
+            if key not in runs:
+                runs[key] = _source_runs(
+                    source, rdesc, ldesc, blocks, name=name, max_frame=max_frame
+                )
             entry = reads.setdefault((source[0], pp), _Reads())
-            _add_source(
-                entry,
-                source,
-                rdesc,
-                blocks,
-                name=name,
-                local_index=li,
-                lgeo=lgeo,
-                max_frame=max_frame,
-            )
+            for region in runs[key]:
+                entry.add(name, li, region)
         if rdesc is not None and _needs_fix(rdesc, ldesc, bs):
             fixes.append((name, rdesc.memory_order))
     return RankPlan(

@@ -64,6 +64,7 @@ from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok, PeerEvents, Publish, Pull, Reply, TakePeerEvents
 from kvsidecar.wire.reports import PeerCompletion
+from kvsidecar.wire.zmq_memory import keep_freed_memory
 
 log = logging.getLogger("kvsidecar.peer")
 
@@ -129,7 +130,11 @@ class PeerService:
                 raise SystemExit(
                     f"kvsidecar: peer_data_plane=nixl but NIXL fails: {self._nixl_error}"
                 )
-        self._ctx = zmq.asyncio.Context()
+        if cfg.peer_keep_freed_memory:
+            keep_freed_memory()  # received ZMQ-plane chunks land in warm pages
+        # One ZeroMQ I/O thread per data stream, so that the streams' connections are served
+        # (read on the consumer, written on the producer) in parallel.
+        self._ctx = zmq.asyncio.Context(io_threads=cfg.peer_streams)
         # security: CURVE (or knowingly plain) on the peer endpoint and on links to other peers
         self._transport = peer_transport(cfg)
         if cfg.peer_endpoint:
@@ -297,6 +302,7 @@ class PeerService:
                 endpoint,
                 self.config.peer_max_in_flight,
                 curve=peer_link_curve(self._transport) if self._transport else None,  # security
+                streams=self.config.peer_streams,
             )
             self._links[endpoint] = link
         return link

@@ -2,8 +2,9 @@
 
 Consumer side (`ZmqPlane.read`): a read plan is cut into chunks of about ``chunk_bytes``; each
 chunk is one `ReadBlocks` request whose reply frames are received straight into the local
-buffers (`PeerLink` uses ``recv_into``). Up to the link's ``max_in_flight`` chunks are
-outstanding at once, so the producer's sends, the wire and our receives overlap.
+buffers, on the thread of one of the link's data streams (`kvsidecar.peer.streams`: ZeroMQ's
+``recv_into``, off the event loop). Up to the link's ``max_in_flight`` chunks are outstanding
+at once, spread over its streams, so the producer's sends, the wire and our receives overlap.
 
 Producer side (`serve_read`): the requested ranges are checked against the worker's registered
 layers and sent as frames that are views of the mapped memory (``copy=False``): ZeroMQ holds a
@@ -22,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.daemon.registry import LayerBuffer
-from kvsidecar.peer.link import Dest, PeerGone
+from kvsidecar.peer.link import Dest
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
@@ -113,14 +114,12 @@ class ZmqPlane(DataPlane):
                 layers=plan.remote_layers,
             )
             async with link.slots:
-                reply = await link.request(
+                await link.read(
                     msg,
                     [np.ascontiguousarray(rows, dtype=_RANGE)],
                     dests,
                     timeout=deadline - loop.time(),
                 )
-            if not isinstance(reply, ReadData):
-                raise PeerGone(f"unexpected {type(reply).__name__} to a read")
             return int(rows[:, 2].sum())
 
         tasks = [asyncio.ensure_future(one(lo, hi)) for lo, hi in self._chunks(ranges)]

@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+from kvsidecar.wire.batch import MoveBatch, MovedBatch
 from kvsidecar.wire.errors import ErrorCode
 from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import (
@@ -298,6 +299,7 @@ Request = (
     | Report
     | Collect  # completion aggregation
     | Grant  # security
+    | MoveBatch  # many moves per command (kvsidecar/wire/batch.py)
 )
 """Every request a client may send."""
 
@@ -475,6 +477,7 @@ Reply = (
     | PeerEvents  # peer
     | Reported
     | Collected  # completion aggregation
+    | MovedBatch  # kvsidecar/wire/batch.py
 )
 """Every reply the daemon sends."""
 

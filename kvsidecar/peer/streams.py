@@ -1,0 +1,291 @@
+"""`DataStream`: one data connection to a remote daemon, sent and received on its own thread.
+
+The ZMQ plane's reads (`kvsidecar.peer.zmq_plane`) travel on a link's data streams rather than
+on its control socket. Each stream is a DEALER socket with its own TCP connection, owned by one
+thread that sends the `ReadBlocks` requests handed to it and receives each `ReadData` reply's
+frames straight into their destinations (``recv_into``: ZeroMQ copies its message into our block
+memory with the GIL released; no Python bytes in between). So the copies of a pull run on these
+threads, never on the event loop, and several streams copy at once, each over its own connection
+served by its own ZeroMQ I/O thread on both daemons.
+
+What the loop keeps: chunks are submitted and settled on it (each chunk's future is resolved
+with ``call_soon_threadsafe``), and replies are matched to chunks by id, so a late reply to a
+chunk that was given up is drained, never written. A chunk can be given up (`DataStream.cancel`)
+until its reply starts landing; after that its caller waits for the copy to end (it is bounded:
+a multipart message is received whole before its first frame is readable, so the copy never
+waits for the network). A dropped connection (socket monitor) fails every chunk in flight on
+the stream at once, and the stream then refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvsidecar.peer.messages import PeerError, PeerReply, ReadBlocks, ReadData
+from kvsidecar.wire import zmqio
+from kvsidecar.wire.curve import KeyPair, secure_client_socket  # security
+
+log = logging.getLogger("kvsidecar.peer")
+
+Dest = npt.NDArray[np.uint8]
+"""A writable, contiguous byte array that one data frame is received into."""
+
+_QUEUED, _SENT, _RECEIVING, _DONE, _CANCELLED = range(5)
+_monitor_ids = itertools.count()
+
+
+class PeerGone(Exception):
+    """The remote daemon cannot be reached, went away, or did not answer in time."""
+
+
+class PeerRefused(Exception):
+    """The remote daemon answered with a `PeerError`."""
+
+    def __init__(self, error: PeerError) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+class Chunk:
+    """One read request on a stream: its frames, where its reply's data frames land, its future.
+
+    The future is resolved on the loop with the `ReadData` reply, or fails with `PeerGone` or
+    `PeerRefused`; a cancelled chunk's future is never resolved.
+    """
+
+    __slots__ = ("dests", "frames", "future", "id", "state")
+
+    def __init__(
+        self, msg: ReadBlocks, frames: list[Any], dests: Sequence[Dest], fut: asyncio.Future[Any]
+    ) -> None:
+        self.id = msg.id
+        self.frames = frames
+        self.dests = dests
+        self.future = fut
+        self.state = _QUEUED
+
+
+class DataStream:
+    """A DEALER socket to ``endpoint`` and the thread that owns it; `close` it when done."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        *,
+        curve: tuple[bytes, KeyPair] | None = None,
+        name: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.in_flight = 0
+        """Chunks submitted and not yet settled (counted on the loop: picks the least busy)."""
+        self.broken = False
+        """The connection dropped: chunks in flight failed, new ones are refused."""
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._queue: list[Chunk] = []
+        self._closing = False
+        self._sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # Fail fast on a dead peer rather than waiting for TCP to notice a silent one.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        if curve is not None:  # security: CURVE client of the remote daemon
+            secure_client_socket(self._sock, server_public=curve[0], keys=curve[1])
+        addr = f"inproc://kvsidecar-stream-monitor-{os.getpid()}-{next(_monitor_ids)}"
+        self._sock.monitor(addr, zmq.EVENT_DISCONNECTED)
+        self._monitor: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)
+        self._monitor.connect(addr)
+        self._sock.connect(endpoint)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._decoder = msgspec.msgpack.Decoder(PeerReply)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvsidecar-stream{name}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def submit(self, msg: ReadBlocks, frames: list[Any], dests: Sequence[Dest]) -> Chunk:
+        """Hand a read to the stream's thread; its future settles on this loop."""
+        chunk = Chunk(msg, [self._encoder.encode(msg), *frames], dests, self._loop.create_future())
+        if self.broken or self._closing:
+            chunk.state = _DONE
+            chunk.future.set_exception(PeerGone(f"connection to {self.endpoint} lost"))
+            return chunk
+        with self._lock:
+            self._queue.append(chunk)
+        os.eventfd_write(self._wake, 1)
+        return chunk
+
+    def cancel(self, chunk: Chunk) -> bool:
+        """Give a chunk up; False when its reply is landing already (await its future then)."""
+        with self._lock:
+            if chunk.state in (_QUEUED, _SENT):
+                chunk.state = _CANCELLED
+                return True
+            return chunk.state == _CANCELLED
+
+    def close(self) -> None:
+        """Stop the thread (chunks in flight fail with `PeerGone`), close the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        os.eventfd_write(self._wake, 1)
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():  # stuck in a copy: leave the sockets to the process exit
+            log.warning("data stream to %s did not stop", self.endpoint)
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        os.close(self._wake)
+
+    # ------------------------------------------------------------------ the stream's thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        sent: dict[int, Chunk] = {}
+        try:
+            while not self._closing:
+                ready = dict(poller.poll(1000))
+                if self._wake in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wake)
+                self._send_queued(sent)
+                if self._monitor in ready and self._disconnected():
+                    self._fail(sent, PeerGone(f"connection to {self.endpoint} lost"))
+                if self._sock in ready:
+                    self._receive(sent)
+                for key in [k for k, c in sent.items() if c.state == _CANCELLED]:
+                    del sent[key]
+        except Exception as exc:  # a bug: fail what is in flight rather than hang it
+            log.exception("data stream to %s failed", self.endpoint)
+            self._fail(sent, PeerGone(f"data stream to {self.endpoint} failed: {exc}"))
+            self.broken = True
+            return
+        self._fail(sent, PeerGone(f"link to {self.endpoint} closed"))
+
+    def _send_queued(self, sent: dict[int, Chunk]) -> None:
+        with self._lock:
+            queue, self._queue = self._queue, []
+            live = [c for c in queue if c.state == _QUEUED]
+            for chunk in live:
+                chunk.state = _DONE if self.broken else _SENT
+        if self.broken:
+            # Submitted before the loop saw the drop: ZeroMQ would hold them for a reconnection
+            # (to whatever then listens there); they fail now instead.
+            for chunk in live:
+                self._settle(chunk, PeerGone(f"connection to {self.endpoint} lost"))
+            return
+        for chunk in live:
+            sent[chunk.id] = chunk
+            # HWM 0: never full. Zero-copy above zmqio's threshold (the range frames are small).
+            zmqio.send_frames(self._sock, chunk.frames)
+            chunk.frames = []
+
+    def _disconnected(self) -> bool:
+        lost = False
+        while zmqio.readable(self._monitor):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+        if lost:
+            self.broken = True
+        return lost
+
+    def _receive(self, sent: dict[int, Chunk]) -> None:
+        sock = self._sock
+        while True:
+            try:
+                header = sock.recv(zmqio.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = self._decoder.decode(header.buffer)
+            except msgspec.DecodeError as exc:
+                log.warning("unreadable reply from %s: %s", self.endpoint, exc)
+                self._drain(header.more)
+                continue
+            chunk = sent.pop(reply.id, None)
+            with self._lock:
+                live = chunk is not None and chunk.state == _SENT
+                if live:
+                    assert chunk is not None
+                    chunk.state = _RECEIVING
+            if chunk is None or not live:  # a reply to a chunk that was given up
+                self._drain(header.more)
+                continue
+            outcome: Any = reply
+            if isinstance(reply, ReadData):
+                outcome = self._land(chunk.dests, header.more)
+                outcome = reply if outcome is None else outcome
+            else:
+                self._drain(header.more)
+                if isinstance(reply, PeerError):
+                    outcome = PeerRefused(reply)
+            with self._lock:
+                chunk.state = _DONE
+            self._settle(chunk, outcome)
+
+    def _land(self, dests: Sequence[Dest], more: bool) -> PeerGone | None:
+        """Receive a reply's data frames into ``dests``; a `PeerGone` if they do not fit."""
+        sock = self._sock
+        for i, dest in enumerate(dests):
+            if not more:
+                return PeerGone(f"{self.endpoint} sent {i} data frames, {len(dests)} expected")
+            got = sock.recv_into(dest.data, flags=zmqio.NOBLOCK)
+            more = bool(sock.get(zmq.RCVMORE))
+            if got != dest.nbytes:
+                self._drain(more)
+                return PeerGone(f"{self.endpoint} sent a frame of {got} bytes for {dest.nbytes}")
+        if more:
+            self._drain(more)
+            return PeerGone(f"{self.endpoint} sent more data frames than requested")
+        return None
+
+    def _drain(self, more: bool) -> None:
+        while more:
+            more = self._sock.recv(zmqio.NOBLOCK, copy=False).more
+
+    def _fail(self, sent: dict[int, Chunk], exc: PeerGone) -> None:
+        with self._lock:
+            failed = [c for c in (*sent.values(), *self._queue) if c.state in (_QUEUED, _SENT)]
+            for chunk in failed:
+                chunk.state = _DONE
+            self._queue = []
+        sent.clear()
+        for chunk in failed:
+            self._settle(chunk, exc)
+
+    def _settle(self, chunk: Chunk, outcome: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed (exit): nobody waits
+            self._loop.call_soon_threadsafe(_resolve, chunk.future, outcome)
+
+
+def _resolve(fut: asyncio.Future[Any], outcome: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)

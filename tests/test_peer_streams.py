@@ -1,0 +1,229 @@
+"""The ZMQ plane's data streams (kvsidecar/peer/streams.py, `PeerLink.read`) on real sockets.
+
+A small producer runs on a thread of the test with its own ZeroMQ context and a ROUTER on
+loopback TCP: it answers each `ReadBlocks` with the requested byte ranges of a source array
+(or, per test, with a wrong frame, late, or not at all). The consumer side is the real
+`PeerLink` with several data streams. What lands is compared element by element with the
+source, indexed by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvsidecar.peer.link import PeerGone, PeerLink
+from kvsidecar.peer.messages import PeerRequest, ReadBlocks, ReadData
+
+pytestmark = pytest.mark.timeout(60)
+
+Answer = Callable[[ReadBlocks, np.ndarray, np.ndarray], list[Any] | None]
+"""How the producer answers one read: the reply frames (header first), or None for silence."""
+
+
+def honest(msg: ReadBlocks, ranges: np.ndarray, source: np.ndarray) -> list[Any] | None:
+    header = msgspec.msgpack.encode(ReadData(id=msg.id, nbytes=int(ranges[:, 2].sum())))
+    return [header, *(source[layer, off : off + n] for layer, off, n in ranges.tolist())]
+
+
+class Producer:
+    """A ROUTER on a thread answering reads from ``source`` (layers x bytes) with ``answer``."""
+
+    def __init__(self, source: np.ndarray, answer: Answer = honest) -> None:
+        self.source, self.answer = source, answer
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.reads = 0
+        self.idents: set[bytes] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(PeerRequest)
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, header, *data = self.sock.recv_multipart()
+            msg = decoder.decode(header)
+            if not isinstance(msg, ReadBlocks):
+                continue
+            self.reads += 1
+            self.idents.add(ident)
+            ranges = np.frombuffer(data[0], dtype="<i8").reshape(-1, 3)
+            frames = self.answer(msg, ranges, self.source)
+            if frames is not None:
+                self.sock.send_multipart([ident, *frames], copy=False)
+        self.sock.close(linger=0)
+
+    def close(self) -> None:
+        """Stop serving and close the socket (the consumer sees the connection drop)."""
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.term()
+
+
+@pytest.fixture
+def source() -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, size=(3, 1 << 18), dtype=np.uint8)
+
+
+@pytest.fixture
+def link_factory() -> Iterator[Callable[..., PeerLink]]:
+    ctx = zmq.asyncio.Context(io_threads=2)
+    links: list[PeerLink] = []
+
+    def make(endpoint: str, streams: int = 3, in_flight: int = 8) -> PeerLink:
+        link = PeerLink(ctx, endpoint, in_flight, streams=streams)
+        links.append(link)
+        return link
+
+    yield make
+    for link in links:
+        assert link.closed, "each test closes its link"
+    ctx.term()
+
+
+def _read(
+    link: PeerLink, ranges: np.ndarray, dests: list[np.ndarray], timeout: float = 10.0
+) -> Any:
+    msg = ReadBlocks(
+        id=link.next_id(), engine_id="p", tp_rank=0, pp_rank=0, request_id="r", layers=["a"]
+    )
+    return link.read(msg, [np.ascontiguousarray(ranges, dtype="<i8")], dests, timeout=timeout)
+
+
+def _plan(rng: np.random.Generator, n: int, size: int) -> tuple[np.ndarray, list[int]]:
+    """``n`` ranges of the 3-layer source and distinct, non-overlapping destination offsets."""
+    lengths = rng.integers(1, size, n)
+    rows = np.stack([rng.integers(0, 3, n), rng.integers(0, (1 << 18) - size, n), lengths], 1)
+    dest_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    return rows.astype(np.int64), dest_offsets
+
+
+async def test_chunks_over_several_streams_land_element_by_element(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    producer = Producer(source)
+    link = link_factory(producer.endpoint, streams=3, in_flight=6)
+    rng = np.random.default_rng(0)
+    try:
+        chunks = [_plan(rng, int(rng.integers(1, 6)), 20000) for _ in range(60)]
+        dests = [np.zeros(int(rows[:, 2].sum()), np.uint8) for rows, _ in chunks]
+
+        async def one(i: int) -> None:
+            rows, offs = chunks[i]
+            views = [dests[i][o : o + n] for o, n in zip(offs, rows[:, 2].tolist(), strict=True)]
+            async with link.slots:
+                reply = await _read(link, rows, views)
+            assert isinstance(reply, ReadData) and reply.nbytes == dests[i].size
+
+        await asyncio.gather(*(one(i) for i in range(len(chunks))))
+        for (rows, offs), dest in zip(chunks, dests, strict=True):
+            for (layer, off, n), at in zip(rows.tolist(), offs, strict=True):
+                np.testing.assert_array_equal(dest[at : at + n], source[layer, off : off + n])
+        assert producer.reads == 60
+        assert len(producer.idents) == 3, "every stream is a connection of its own"
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_a_frame_of_the_wrong_size_fails_only_its_chunk(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    def short_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        frames = honest(msg, ranges, src)
+        if msg.id == 1 and frames is not None:
+            frames[1] = frames[1][:-1]
+        return frames
+
+    producer = Producer(source, short_first)
+    link = link_factory(producer.endpoint, streams=1)
+    rows = np.array([[0, 0, 100], [1, 50, 30]], np.int64)
+    try:
+        bad = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
+        with pytest.raises(PeerGone, match="frame of 99 bytes for 100"):
+            await _read(link, rows, bad)
+        good = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
+        await _read(link, rows, good)  # the stream goes on: the rest was drained
+        np.testing.assert_array_equal(good[0], source[0, :100])
+        np.testing.assert_array_equal(good[1], source[1, 50:80])
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_a_chunk_given_up_is_never_written(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    def late_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        if msg.id == 1:
+            time.sleep(0.4)  # the consumer gives up after 0.1 s; the reply still comes
+        return honest(msg, ranges, src)
+
+    producer = Producer(source, late_first)
+    link = link_factory(producer.endpoint, streams=1)
+    rows = np.array([[2, 1000, 4096]], np.int64)
+    try:
+        dest = np.zeros(4096, np.uint8)
+        with pytest.raises(PeerGone, match="within"):
+            await _read(link, rows, [dest], timeout=0.1)
+        # The late reply arrives on the same stream before this one's, and is drained by id.
+        other = np.zeros(4096, np.uint8)
+        await _read(link, rows, [other])
+        np.testing.assert_array_equal(other, source[2, 1000:5096])
+        assert not dest.any(), "a reply to a read that was given up was written"
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_producer_gone_mid_stream_fails_every_read_in_flight(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    answered = threading.Event()
+
+    def answer_four(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        if msg.id > 4:
+            answered.set()
+            return None  # silent from here on; then the producer goes away
+        return honest(msg, ranges, src)
+
+    producer = Producer(source, answer_four)
+    link = link_factory(producer.endpoint, streams=3, in_flight=16)
+    rows = np.array([[0, 0, 1 << 16]], np.int64)
+    try:
+        dests = [np.zeros(1 << 16, np.uint8) for _ in range(12)]
+        reads = [asyncio.ensure_future(_read(link, rows, [d], timeout=30)) for d in dests]
+        while not answered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        producer.close()
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        took = time.monotonic() - started
+        done = [r for r in results if isinstance(r, ReadData)]
+        failed = [r for r in results if isinstance(r, PeerGone)]
+        assert len(done) == 4 and len(failed) == 8, results
+        assert took < 5, f"reads in flight failed after {took:.1f} s, not on the disconnect"
+        for d, r in zip(dests, results, strict=True):
+            if isinstance(r, ReadData):
+                np.testing.assert_array_equal(d, source[0, : 1 << 16])
+        with pytest.raises(PeerGone):  # a broken stream refuses new reads at once
+            await _read(link, rows, [np.zeros(1 << 16, np.uint8)], timeout=30)
+        assert not link.connected
+    finally:
+        await link.close()
