@@ -31,6 +31,12 @@ from kvsidecar.wire.curve import KeyPair, secure_client_socket  # security
 
 log = logging.getLogger("kvsidecar.peer")
 
+_LINK_HWM = 1024
+"""Messages queued each way on a link before libzmq pushes back."""
+_TURN = 16
+"""Replies read before the read loop yields to the event loop (a remote that floods replies
+must not hold the loop: a receive that finds a message waiting never yields by itself)."""
+
 Dest = npt.NDArray[np.uint8]
 """A writable, contiguous byte array that one data frame is received into."""
 
@@ -72,8 +78,10 @@ class PeerLink:
         self.closed = False
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded both ways: requests are bounded by ``slots`` anyway, and a remote that sends
+        # more than was asked for is throttled by TCP instead of growing this daemon's memory.
+        self._sock.setsockopt(zmq.SNDHWM, _LINK_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, _LINK_HWM)
         # Fail fast on a dead peer rather than reconnecting into a half-read reply stream.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -132,12 +140,17 @@ class PeerLink:
 
     async def _read_loop(self) -> None:
         sock = self._sock
+        served = 0
         while True:
+            served += 1
+            if served >= _TURN:
+                served = 0
+                await asyncio.sleep(0)
             header = await sock.recv()
             try:
                 reply = self._decoder.decode(header)
             except msgspec.DecodeError as exc:
-                log.warning("unreadable reply from %s: %s", self.endpoint, exc)
+                log.debug("unreadable reply from %s: %s", self.endpoint, exc)
                 self._drain()
                 continue
             pending = self._pending.get(reply.id)
