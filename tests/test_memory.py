@@ -433,7 +433,7 @@ async def test_server_matches_tokens_in_any_order_and_cleans_up(sock_path: Path)
     closed: list[FdConnection] = []
     async with FdChannelServer(sock_path, on_close=closed.append) as server:
         assert sock_path.stat().st_mode & 0o777 == 0o600
-        n0 = fd_count()
+        before = open_fds()  # a set: an earlier test's garbage may close its fds meanwhile
         with FdChannelClient(sock_path) as client:
             r, w = os.pipe()
             # registration first, fds later
@@ -469,7 +469,7 @@ async def test_server_matches_tokens_in_any_order_and_cleans_up(sock_path: Path)
         assert closed == [conn]
         with pytest.raises(TimeoutError):
             await server.take(b"unclaimed", timeout=0.01)
-        assert fd_count() == n0
+        assert not open_fds() - before
     assert not sock_path.exists()
 
 
@@ -495,7 +495,10 @@ async def test_server_drops_bad_peers_and_keeps_serving(sock_path: Path) -> None
                     break
                 await asyncio.sleep(0.01)
             assert len(closed) == 1
-            assert bad.recv(1) == b""  # the server hung up on it
+            try:  # the server hung up on it (a reset: it left the rest of the garbage unread)
+                assert bad.recv(1) == b""
+            except ConnectionResetError:
+                pass
             r, w = os.pipe()
             good.send(b"ok", [r])
             _, got = await server.take(b"ok", timeout=2)

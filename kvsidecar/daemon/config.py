@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from kvsidecar.memory.fd_limits import FdLimits
 from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
 
 if sys.version_info >= (3, 11):
@@ -227,6 +228,31 @@ SETTINGS: tuple[Setting, ...] = (
         "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
         "for it on its own).",
     ),
+    # --- fd channel limits (kvsidecar/memory/fd_limits.py) ---
+    Setting(
+        "fd_max_connections",
+        int,
+        1024,
+        "Fd-channel connections in total; at the limit the process holding the most gives way.",
+    ),
+    Setting(
+        "fd_max_connections_per_peer",
+        int,
+        64,
+        "Fd-channel connections one process (uid, pid) may hold; more are refused.",
+    ),
+    Setting(
+        "fd_max_unclaimed",
+        int,
+        4096,
+        "Fds received and not yet claimed by a registration, in total (a quarter per process).",
+    ),
+    Setting(
+        "fd_unclaimed_s",
+        float,
+        30.0,
+        "How long received fds wait for their registration before they are closed.",
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""
 
@@ -307,6 +333,11 @@ class Config:
     max_moves_per_worker: int = 256
     max_moves_total: int = 4096
     checksum: bool = False
+    # --- fd channel limits ---
+    fd_max_connections: int = 1024
+    fd_max_connections_per_peer: int = 64
+    fd_max_unclaimed: int = 4096
+    fd_unclaimed_s: float = 30.0
 
     def __post_init__(self) -> None:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
@@ -371,6 +402,10 @@ class Config:
         if self.max_moves_per_worker < 1 or self.max_moves_total < 1:
             raise ConfigError("max_moves_per_worker and max_moves_total must be >= 1")
         try:
+            _ = self.fd_limits
+        except ValueError as exc:
+            raise ConfigError(f"fd_* settings: {exc}") from None
+        try:
             _ = self.uids
         except ValueError:
             raise ConfigError(
@@ -382,6 +417,18 @@ class Config:
         """The uids allowed on the ipc endpoint and the fd channel (default: our own)."""
         parts = [p.strip() for p in self.allowed_uids.split(",") if p.strip()]
         return frozenset(int(p) for p in parts) if parts else frozenset({os.geteuid()})
+
+    @property
+    def fd_limits(self) -> FdLimits:
+        """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
+        return FdLimits(
+            max_connections=self.fd_max_connections,
+            max_connections_per_peer=self.fd_max_connections_per_peer,
+            max_unclaimed_fds=self.fd_max_unclaimed,
+            max_unclaimed_fds_per_peer=max(1, self.fd_max_unclaimed // 4),
+            unclaimed_s=self.fd_unclaimed_s,
+            idle_s=self.fd_unclaimed_s / 3,
+        )
 
     @property
     def ipc_path(self) -> str | None:

@@ -66,6 +66,7 @@ from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import Registry, check_epoch
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
+from kvsidecar.memory.fd_limits import raise_fd_limit
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire.errors import SidecarError
@@ -207,8 +208,12 @@ class Daemon(Edge, Registration, Commands):
             # Allocated and touched up front: first touch is several times slower than a copy.
             self._pool = HostPool(cfg.host_pool_bytes)
         self._executor = CopyExecutor(cfg.copy_threads)
+        # reliability: use the descriptors we may (a flood must not meet a low soft limit)
+        before, after = raise_fd_limit()
+        if after != before:
+            log.info("open files limit raised from %d to %d", before, after)
         self._fd_server = FdChannelServer(
-            cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids
+            cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids, limits=cfg.fd_limits
         )
         await self._fd_server.start()
         transport = control_transport(cfg)  # security: ConfigError on bad key files

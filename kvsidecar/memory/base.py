@@ -26,6 +26,7 @@ HandleErrorCode = Literal[
     "bad_request",
     "closed",
     "protocol",
+    "busy",
 ]
 """Typed reasons a handle could not be made, opened, or a pool request could not be served."""
 
