@@ -99,8 +99,7 @@ class FdConnection:
         return bool(self.tokens)
 
     def __repr__(self) -> str:
-        c = self.cred
-        return f"<FdConnection #{self.id} pid={c.pid} uid={c.uid} closed={self.closed}>"
+        return f"<FdConnection #{self.id} {self.cred} closed={self.closed}>"
 
 
 OnClose = Callable[[FdConnection], None]
@@ -296,7 +295,7 @@ class FdChannelServer:
         elif not self.ledger.peer_may_connect((cred.uid, cred.pid)):
             refusal = f"{self.limits.max_connections_per_peer} connections already"
         elif self.ledger.connections_full() and not self._evict_connection():
-            refusal = f"{self.ledger.total_connections} connections in total (the limit)"
+            refusal = f"{self.ledger.total_connections} connections, {self.ledger.held} fds held"
         if refusal:
             self.stats.refused_connections += 1
             self._warn(
@@ -420,13 +419,14 @@ class FdChannelServer:
     def _room_for(self, key: PeerKey, weight: int) -> str:
         """Make room for ``weight`` more unclaimed fds of ``key``; why not, or "" when there is."""
         ledger = self.ledger
+        ledger.refresh_budget(self._base_fds)
         if not ledger.peer_may_hold(key, weight):
             return f"this process holds {ledger.unclaimed.get(key, 0)} unclaimed fds already"
         while ledger.unclaimed_full(weight):
             # The biggest holder gives way, as long as it holds more than this peer would.
             top = ledger.biggest(ledger.unclaimed, (d.conn.key for d in self._pending.values()))
             if top is None or ledger.unclaimed[top] <= ledger.unclaimed.get(key, 0) + weight:
-                return f"{ledger.total_unclaimed} unclaimed fds in total (the limit)"
+                return f"{ledger.total_unclaimed} unclaimed fds and {ledger.held} in all held"
             token = next(t for t, d in self._pending.items() if d.conn.key == top)
             evicted = self._pending.pop(token)
             self._unpend(evicted)

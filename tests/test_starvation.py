@@ -1,0 +1,220 @@
+"""No client can starve the daemon: floods on the control socket, the peer socket, the metrics port.
+
+Every attack comes from a separate process with raw sockets (`tests.helpers.attacker`) against a
+real daemon process; the test is the victim, also from outside: fresh connections asking for
+status, raw ``/healthz`` probes, and a worker whose death must still release it on time. Bounds
+are liveness bounds (seconds), generous for a loaded 2-core machine; the figures are printed for
+docs/reliability.md. The fd channel's attacks are in tests/test_fd_exhaustion.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from kvsidecar.client import SidecarClient, SidecarError
+from tests.harness import LineChild, WorkerProcess, daemon_process, make_config, workers
+from tests.test_faults import rss_mib
+
+pytestmark = pytest.mark.timeout(150)
+
+SLOW = 3.0
+"""A victim's request answered later than this counts as starved (the fixed daemon answers in
+milliseconds; the unfixed one stalled for 5 to 40 s)."""
+
+
+class Attacker(LineChild):
+    """A `tests.helpers.attacker` process; `finish` stops it and returns its counts."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__("attacker", spec, name=f"attacker {spec['attack']}")
+        assert self.line(60) == "ready"
+
+    def finish(self) -> dict[str, Any]:
+        self.send_line("exit")
+        result: dict[str, Any] = json.loads(self.line(60))["result"]
+        self.stop()
+        return result
+
+
+def http_status(port: int, path: str = "/healthz", timeout: float = SLOW) -> str:
+    """One raw HTTP/1.1 GET; the status code, or the exception's name."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        return data.split(b" ", 2)[1].decode() if data else "empty"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def fresh_status(endpoint: str) -> float:
+    """Seconds a brand-new connection takes to get a status reply; inf if it gets none."""
+    t0 = time.perf_counter()
+    try:
+        with SidecarClient(endpoint, timeout_s=SLOW, heartbeat=False) as c:
+            c.status()
+    except SidecarError:
+        return float("inf")
+    return time.perf_counter() - t0
+
+
+def probe(endpoint: str, port: int, seconds: float) -> tuple[list[float], Counter[str]]:
+    """Victims from outside for ``seconds``: fresh-connection status times, /healthz codes."""
+    times: list[float] = []
+    health: Counter[str] = Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        times.append(fresh_status(endpoint))
+        health[http_status(port)] += 1
+        time.sleep(0.2)
+    return times, health
+
+
+@pytest.mark.parametrize(
+    ("kind", "sockets"), [("status", 1), ("mix", 8)], ids=["status-1conn", "mix-8conns"]
+)
+def test_control_flood_starves_nobody(kind: str, sockets: int) -> None:
+    """Requests sent without reading (one connection; or 8 with garbage, oversize frames and
+    moves mixed in): new connections are answered, /healthz says 200 and a killed worker is
+    released as fast as without the flood."""
+    config = make_config(lease_s=30.0)
+    with daemon_process(config) as d:
+        victim = WorkerProcess(
+            {
+                "endpoint": config.endpoint,
+                "engine": "victim",
+                "layers": 1,
+                "blocks": 8,
+                "block_size": 4,
+                "heads": 2,
+                "head_size": 8,
+                "seed": 1,
+            }
+        )
+        try:
+            victim.wait_ready()
+            with SidecarClient(config.endpoint, heartbeat=False, timeout_s=SLOW) as c:
+                port = c.daemon.metrics_port
+            flood = Attacker(
+                {
+                    "attack": "control_flood",
+                    "endpoint": config.endpoint,
+                    "kind": kind,
+                    "sockets": sockets,
+                }
+            )
+            try:
+                times, health = probe(config.endpoint, port, 6.0)
+                killed = time.monotonic()
+                victim.proc.send_signal(signal.SIGKILL)
+                released = _wait_released(config.endpoint, "victim", 15.0) - killed
+                counts = flood.finish()
+            finally:
+                flood.stop()
+        finally:
+            victim.stop()
+        assert d.proc.poll() is None, "the daemon died"
+    worst = max(times)
+    print(
+        f"\ncontrol flood ({kind}, {sockets} connections): {counts['sent']} requests unread; "
+        f"fresh-connection status worst {worst * 1e3:.0f} ms over {len(times)}; /healthz "
+        f"{dict(health)}; worker released {released * 1e3:.0f} ms after SIGKILL"
+    )
+    assert counts["sent"] > 20_000, counts
+    assert worst < SLOW, f"a new connection waited {worst:.1f} s for a status reply"
+    assert set(health) == {"200"}, health
+    assert released < SLOW, f"the killed worker was released after {released:.1f} s"
+
+
+def _wait_released(endpoint: str, engine: str, timeout: float) -> float:
+    """When ``engine`` left the daemon's status (polled on one connection)."""
+    deadline = time.monotonic() + timeout
+    with SidecarClient(endpoint, heartbeat=False, timeout_s=timeout) as c:
+        while time.monotonic() < deadline:
+            if all(e.engine_id != engine for e in c.status().engines):
+                return time.monotonic()
+            time.sleep(0.02)
+    raise TimeoutError(f"{engine} still registered after {timeout} s")
+
+
+def test_peer_flood_neither_stalls_nor_grows() -> None:
+    """Hellos (never read), notifications for made-up requests and garbage on the peer socket:
+    the control socket keeps answering, /healthz stays 200, memory stays bounded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = make_config(
+        peer_endpoint=f"tcp://127.0.0.1:{port}", insecure=True, peer_data_plane="zmq"
+    )
+    spec = {
+        "endpoint": config.endpoint,
+        "engine": "e",
+        "layers": 1,
+        "blocks": 8,
+        "block_size": 4,
+        "heads": 2,
+        "head_size": 8,
+        "seed": 1,
+    }
+    with daemon_process(config) as d, workers([spec]):
+        with SidecarClient(config.endpoint, heartbeat=False, timeout_s=SLOW) as c:
+            metrics_port = c.daemon.metrics_port
+        baseline = rss_mib(d.proc.pid)
+        # Notifications name rank 0 of the real engine "e": each a request it never published.
+        flood = Attacker(
+            {"attack": "peer_flood", "endpoint": config.peer_endpoint, "kind": "mix", "engine": "e"}
+        )
+        try:
+            times, health = probe(config.endpoint, metrics_port, 8.0)
+            peak = rss_mib(d.proc.pid)
+            counts = flood.finish()
+        finally:
+            flood.stop()
+        assert d.proc.poll() is None, "the daemon died"
+    worst = max(times)
+    print(
+        f"\npeer flood: {counts['sent']} messages; fresh-connection status worst "
+        f"{worst * 1e3:.0f} ms; /healthz {dict(health)}; RSS {baseline:.0f} -> {peak:.0f} MiB"
+    )
+    assert counts["sent"] > 20_000, counts
+    assert worst < SLOW, f"a new connection waited {worst:.1f} s for a status reply"
+    assert set(health) == {"200"}, health
+    assert peak - baseline < 64, f"RSS grew {peak - baseline:.0f} MiB under the peer flood"
+
+
+@pytest.mark.parametrize("slowloris", [False, True], ids=["idle", "slowloris"])
+def test_metrics_probes_answered_under_idle_connections(slowloris: bool) -> None:
+    """25 idle (or slowly trickling) TCP connections a second: every probe still answered 200,
+    and the daemon closes them after its head timeout instead of keeping them."""
+    config = make_config()
+    with daemon_process(config):
+        with SidecarClient(config.endpoint, heartbeat=False, timeout_s=SLOW) as c:
+            port = c.daemon.metrics_port
+        attack = Attacker(
+            {"attack": "http_idle", "port": port, "rate": 25.0, "slowloris": slowloris}
+        )
+        try:
+            codes: Counter[str] = Counter()
+            deadline = time.monotonic() + 8.0
+            while time.monotonic() < deadline:
+                codes[http_status(port)] += 1
+                codes[http_status(port, "/readyz")] += 1
+                time.sleep(0.1)
+            time.sleep(2.5)  # past the 2 s head timeout of the last connections opened
+            counts = attack.finish()
+        finally:
+            attack.stop()
+    print(f"\nmetrics, {'slowloris' if slowloris else 'idle'} x 25/s: {counts}; probes {codes}")
+    assert counts["opened"] >= 150, counts
+    assert set(codes) == {"200"}, codes
+    # The ones opened in the last 2 s may still be open; all older ones were closed.
+    assert counts["closed_by_server"] >= counts["opened"] - 60, counts
