@@ -21,7 +21,7 @@ import torch
 from kvsidecar.client import SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
 from tests.harness import WorkerProcess, daemon_process, make_config
-from tests.test_starvation import Attacker
+from tests.test_starvation import Attacker, defence_events
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -83,6 +83,7 @@ def test_fd_hoarder_cannot_take_the_daemons_descriptors() -> None:
                 after = open_fds(pid)
                 with SidecarClient(config.endpoint, heartbeat=False) as c:
                     engines = [e.engine_id for e in c.status().engines]
+                    events = defence_events(c.daemon.metrics_port)
                 counts = hoard.finish()
             finally:
                 worker.stop()
@@ -101,6 +102,8 @@ def test_fd_hoarder_cannot_take_the_daemons_descriptors() -> None:
     assert counts["kept"] == 0, f"{counts['kept']} hoarder connections still open"
     assert after <= baseline + 8, f"daemon fds {baseline} -> {after}: the hoard was not released"
     assert log_lines < 100, f"{log_lines} log lines"
+    for event in ("refused_connections", "refused_deliveries", "expired_deliveries", "idle_closed"):
+        assert events[("fd_channel", event)] > 0, events
 
 
 def _register(c: SidecarClient, engine: str, layers: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["StateCollector", "StateProvider", "StateSnapshot"]
 
@@ -40,6 +40,9 @@ class StateSnapshot:
     """Bytes of the host pool that hold blocks."""
     inflight_moves: int = 0
     """Moves submitted to the copy executor or a peer and not yet finished."""
+    defence_events: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """How often each defence against a misbehaving client acted since start, by (plane, event):
+    refusals, evictions, expiries, dropped replies (docs/metrics.md lists them)."""
 
 
 class StateProvider(Protocol):
@@ -96,6 +99,14 @@ class StateCollector:
         def scalar(name: str, doc: str, value: int) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"{ns}_{name}", doc, value=value)
 
+        defences = CounterMetricFamily(
+            f"{ns}_defence_events",
+            "Times a defence against a misbehaving client acted, by plane and event.",
+            labels=["plane", "event"],
+        )
+        for (plane, event), count in sorted(s.defence_events.items()):
+            defences.add_metric([plane, event], count)
+
         return [
             per_engine(
                 "registered_workers", "Workers with a live lease, by engine.", s.registered_workers
@@ -125,4 +136,5 @@ class StateCollector:
                 "Moves submitted to the copy executor or a peer and not yet finished.",
                 s.inflight_moves,
             ),
+            defences,
         ]

@@ -178,6 +178,7 @@ def snapshot(
     pool_used: int,
     in_flight: int,
     pending: dict[str, int],
+    defences: dict[tuple[str, str], int] | None = None,
 ) -> StateSnapshot:
     """Build the scrape-time state: per engine workers, buffer bytes, pending requests."""
     workers: dict[str, int] = {}
@@ -195,6 +196,7 @@ def snapshot(
         host_pool_capacity_bytes=pool_capacity,
         host_pool_used_bytes=pool_used,
         inflight_moves=in_flight,
+        defence_events=defences or {},
     )
 
 

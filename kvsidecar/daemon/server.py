@@ -393,7 +393,20 @@ class Daemon(Edge, Registration, Commands):
             pool_used=0 if pool is None else pool.used_bytes,
             in_flight=0 if executor is None else executor.in_flight,
             pending=self.completions.pending_requests(),
+            defences=self._defence_events(),
         )
+
+    def _defence_events(self) -> dict[tuple[str, str], int]:
+        """Count what the fd channel, the peer plane and the HTTP endpoint refused or dropped."""
+        fd, peer, http = self._fd_server, self.peer, self.observability.server
+        events = {} if fd is None else {("fd_channel", k): v for k, v in vars(fd.stats).items()}
+        if peer is not None:
+            events[("peer", "replies_dropped")] = peer.replies_dropped_total
+            events[("peer", "unreadable")] = peer.unreadable_total
+            events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
+        if http is not None:
+            events[("metrics", "evicted")] = http.evicted_total
+        return events
 
     def readiness(self) -> Readiness:
         """`kvsidecar.daemon.metrics_server.HealthProvider`: what ``/readyz`` decides on."""

@@ -7,6 +7,11 @@ outcome is one JSON line on stdout: ``{"i": n, "ok": true, "s": latency}`` or
 ``{"i": n, "code": "<error code>", "s": latency}``; the test counts them, so nothing can be
 silently dropped. With ``report`` in the spec it also reports each step's finished request to
 the completion aggregation. A final ``{"done": n, "reconnects": r}`` line ends the run.
+
+With ``verify`` in the spec each iteration checks the data element by element: it writes fresh
+random values into ``batch`` blocks of the first half of its cache, offloads them to the host
+pool, onboards them back into the second half, and counts the elements that differ from what it
+wrote (``"bad"``); ``"s2"`` is the onboard's latency.
 """
 
 from __future__ import annotations
@@ -48,15 +53,18 @@ def main() -> None:
             line = sys.stdin.readline()
             if not line or line.strip() == "exit":
                 break
-        src = [(n * batch + k) % blocks for k in range(batch)]
-        t0 = time.perf_counter()
-        out: dict[str, Any] = {"i": n, "t": time.time()}
-        try:
-            client.offload(client.worker, src, src)
-            out["ok"] = True
-        except SidecarError as exc:
-            out["code"] = exc.code
-        out["s"] = time.perf_counter() - t0
+        if spec.get("verify"):
+            out = _verified_round(client, caches, n, batch, blocks // 2, seed=rank)
+        else:
+            src = [(n * batch + k) % blocks for k in range(batch)]
+            t0 = time.perf_counter()
+            out = {"i": n, "t": time.time()}
+            try:
+                client.offload(client.worker, src, src)
+                out["ok"] = True
+            except SidecarError as exc:
+                out["code"] = exc.code
+            out["s"] = time.perf_counter() - t0
         if spec.get("report") and "ok" in out:
             t1 = time.perf_counter()
             try:
@@ -72,6 +80,34 @@ def main() -> None:
             time.sleep(pause)
     print(json.dumps({"done": n, "reconnects": client.reconnects}), flush=True)
     client.close()
+
+
+def _verified_round(
+    client: SidecarClient, caches: list[torch.Tensor], n: int, batch: int, half: int, seed: int
+) -> dict[str, Any]:
+    """Device -> host -> device through the daemon, checked against what was written."""
+    src = [(n * batch + k) % half for k in range(batch)]
+    dst = [half + b for b in src]
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
+    want = []
+    for c in caches:  # kv_first (2, B, N, H, C): blocks are dim 1
+        fresh = torch.randn(c[:, src].shape, generator=gen).to(c.dtype)
+        c[:, src] = fresh
+        want.append(fresh)
+    out: dict[str, Any] = {"i": n, "t": time.time()}
+    t0 = time.perf_counter()
+    try:
+        client.offload(client.worker, src, src)
+        t1 = time.perf_counter()
+        out["s"] = t1 - t0
+        client.onboard(client.worker, src, dst)
+        out["s2"] = time.perf_counter() - t1
+        out["ok"] = True
+        out["bad"] = sum(int((c[:, dst] != w).sum()) for c, w in zip(caches, want, strict=True))
+    except SidecarError as exc:
+        out["code"] = exc.code
+        out.setdefault("s", time.perf_counter() - t0)
+    return out
 
 
 if __name__ == "__main__":
