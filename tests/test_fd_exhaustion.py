@@ -161,3 +161,38 @@ def test_descriptor_shortage_punishes_nobody_and_does_not_spin() -> None:
     assert cpu < 0.5, f"the daemon spun at {cpu:.0%} CPU on EMFILE"
     assert lines < 10, f"{lines} log lines in 2 s at EMFILE"
     assert engines == ["first", "second"], engines
+
+
+def test_a_thousand_zmq_connections_do_not_abort_the_daemon() -> None:
+    """1,100 DEALER sockets from one process against a daemon limited to 1024 descriptors:
+    libzmq's ipc listener aborts the process at EMFILE, so the daemon must refuse connections
+    before that. It stays alive, and a client of another process is still served."""
+    config = make_config()
+    with daemon_process(config) as d:
+        pid = d.proc.pid
+        set_nofile(pid, 1024)
+        attack = Attacker(
+            {"attack": "many_connections", "endpoint": config.endpoint, "count": 1100}
+        )
+        try:
+            held = open_fds(pid)
+            t0 = time.monotonic()
+            # The refused sockets reconnect every 100 ms: each costs an accept and a ZAP answer,
+            # so a new connection waits its turn behind them (existing ones do not).
+            with SidecarClient(config.endpoint, heartbeat=False, timeout_s=20) as c:
+                engines = c.status().engines
+                connect_s = time.monotonic() - t0
+                events = defence_events(c.daemon.metrics_port)
+            counts = attack.finish()
+        finally:
+            attack.stop()
+        alive = d.proc.poll() is None
+    print(
+        f"\n1,100 connections: {counts}; daemon fds {held}; a new client served in "
+        f"{connect_s:.2f} s; refusals {events}"
+    )
+    assert alive, "the daemon died"
+    assert engines == []
+    assert held < 1024 - 100, f"the daemon holds {held} of 1024 descriptors"
+    assert 0 < counts["answered"] < 1100, counts  # some served, the rest refused
+    assert events[("control", "refused_connections")] > 0, events

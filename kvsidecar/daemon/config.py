@@ -228,18 +228,20 @@ SETTINGS: tuple[Setting, ...] = (
         "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
         "for it on its own).",
     ),
-    # --- fd channel limits (kvsidecar/memory/fd_limits.py) ---
+    # --- connection limits (kvsidecar/memory/fd_limits.py, daemon/connections.py) ---
     Setting(
-        "fd_max_connections",
+        "max_connections",
         int,
         1024,
-        "Fd-channel connections in total; at the limit the process holding the most gives way.",
+        "Connections in total on the control socket, and on the fd channel (each; also capped "
+        "by the open-files limit).",
     ),
     Setting(
-        "fd_max_connections_per_peer",
+        "max_connections_per_peer",
         int,
-        64,
-        "Fd-channel connections one process (uid, pid) may hold; more are refused.",
+        256,
+        "Connections one process (uid, pid; an IP on tcp) may hold on the control socket, and on "
+        "the fd channel; more are refused.",
     ),
     Setting(
         "fd_max_unclaimed",
@@ -333,9 +335,9 @@ class Config:
     max_moves_per_worker: int = 256
     max_moves_total: int = 4096
     checksum: bool = False
-    # --- fd channel limits ---
-    fd_max_connections: int = 1024
-    fd_max_connections_per_peer: int = 64
+    # --- connection limits ---
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
     fd_max_unclaimed: int = 4096
     fd_unclaimed_s: float = 30.0
 
@@ -404,7 +406,7 @@ class Config:
         try:
             _ = self.fd_limits
         except ValueError as exc:
-            raise ConfigError(f"fd_* settings: {exc}") from None
+            raise ConfigError(f"connection and fd limits: {exc}") from None
         try:
             _ = self.uids
         except ValueError:
@@ -422,8 +424,8 @@ class Config:
     def fd_limits(self) -> FdLimits:
         """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
         return FdLimits(
-            max_connections=self.fd_max_connections,
-            max_connections_per_peer=self.fd_max_connections_per_peer,
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
             max_unclaimed_fds=self.fd_max_unclaimed,
             max_unclaimed_fds_per_peer=max(1, self.fd_max_unclaimed // 4),
             unclaimed_s=self.fd_unclaimed_s,

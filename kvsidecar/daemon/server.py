@@ -56,6 +56,7 @@ from kvsidecar.daemon.auth import (
 from kvsidecar.daemon.commands import Commands
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.connections import ConnectionCount
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.jobs import prepare_fix
@@ -140,6 +141,7 @@ class Daemon(Edge, Registration, Commands):
         self.access = AccessControl(exists=self.registry.engines.__contains__)
         """Connection -> engine bindings and sharing grants."""
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
+        self._connections: ConnectionCount | None = None
         self.zap: ZapHandler | None = None
         """Authenticates connections (peer uid on ipc, CURVE key on tcp); set in startup."""
         self.insecure_transport = False
@@ -232,6 +234,11 @@ class Daemon(Edge, Registration, Commands):
         if cfg.ipc_path is not None:
             os.chmod(cfg.ipc_path, 0o600)
         self._sock = sock
+        # reliability: connections per peer and in total, decided by ZAP (daemon/connections.py)
+        self._connections = ConnectionCount(
+            sock, max_total=cfg.max_connections, max_per_peer=cfg.max_connections_per_peer
+        )
+        self.zap.admission[CONTROL_DOMAIN] = self._connections.admit
         # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
         self.peer = PeerService(cfg, self.registry, self._executor)
         await self.peer.start()
@@ -299,6 +306,9 @@ class Daemon(Edge, Registration, Commands):
         if self._fd_server is not None:
             await self._fd_server.close()
             self._fd_server = None
+        if self._connections is not None:
+            await self._connections.close()
+            self._connections = None
         with self._sock_lock:
             if self._sock is not None:
                 self._sock.close(linger=0)
@@ -406,6 +416,8 @@ class Daemon(Edge, Registration, Commands):
             events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
         if http is not None:
             events[("metrics", "evicted")] = http.evicted_total
+        if self._connections is not None:
+            events[("control", "refused_connections")] = self._connections.refused
         return events
 
     def readiness(self) -> Readiness:

@@ -9,11 +9,12 @@ holds, keyed by the peer's (uid, pid) from ``SO_PEERCRED``, and asks it before t
 - a peer may hold at most ``max_connections_per_peer`` connections and
   ``max_unclaimed_fds_per_peer`` unclaimed fds; beyond that its own new connection or message is
   refused, nobody else's;
-- in total at most ``max_connections`` and ``max_unclaimed_fds``, capped by the process's
-  ``RLIMIT_NOFILE`` less ``reserve_fds`` for everything else. At a total limit the biggest holder
-  gives way (its oldest unclaimed message, or its oldest connection that never registered a
-  worker), so a hoarder spread over many processes still cannot crowd out a worker that holds
-  little;
+- in total at most ``max_connections`` and ``max_unclaimed_fds``, and together at most half of
+  the descriptors the process had free at start (``RLIMIT_NOFILE``; the control socket may use a
+  quarter, `kvsidecar.daemon.connections`, the rest is kept for everything else). At a total
+  limit the biggest holder gives way (its oldest unclaimed message, or its oldest connection that
+  never registered a worker), so a hoarder spread over many processes still cannot crowd out a
+  worker that holds little;
 - unclaimed fds expire after ``unclaimed_s``; a connection that has registered nothing and holds
   nothing is closed after ``idle_s`` (half-open and idle connections do not pile up).
 
@@ -46,15 +47,13 @@ class FdLimits:
     """How much of the daemon's descriptors the fd channel's peers may hold (see the module)."""
 
     max_connections: int = 1024
-    max_connections_per_peer: int = 64
+    max_connections_per_peer: int = 256
     max_unclaimed_fds: int = 4096
     max_unclaimed_fds_per_peer: int = 1024
     unclaimed_s: float = 30.0
     """Unclaimed fds are closed this long after they arrived."""
     idle_s: float = 10.0
     """A connection that registered nothing and holds nothing is closed after this long."""
-    reserve_fds: int = 256
-    """Descriptors always left to the rest of the daemon (ZMQ connections, HTTP, mappings)."""
 
     def __post_init__(self) -> None:
         counts = (
@@ -63,8 +62,8 @@ class FdLimits:
             self.max_unclaimed_fds,
             self.max_unclaimed_fds_per_peer,
         )
-        if min(counts) < 1 or self.reserve_fds < 0:
-            raise ValueError("fd channel limits must be >= 1 (reserve_fds >= 0)")
+        if min(counts) < 1:
+            raise ValueError("connection and fd limits must be >= 1")
         if not (self.unclaimed_s > 0 and self.idle_s > 0):
             raise ValueError("fd channel timeouts must be > 0")
 
@@ -128,8 +127,8 @@ class Ledger:
         self.total_unclaimed = 0
 
     def refresh_budget(self, base_fds: int) -> None:
-        """Set the budget from the process's limit, less the reserve and ``base_fds`` in use."""
-        self.budget = fd_soft_limit() - self.limits.reserve_fds - base_fds
+        """Set the budget: half of the descriptors the process had free (``base_fds`` in use)."""
+        self.budget = (fd_soft_limit() - base_fds) // 2
 
     @property
     def held(self) -> int:

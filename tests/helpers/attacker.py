@@ -6,6 +6,8 @@ one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
 
 - ``control_flood``: ``sockets`` DEALERs send ``kind`` requests (``status``, ``garbage``,
   ``move``, ``oversize`` or ``mix``) as fast as they can and never read a reply.
+- ``many_connections``: ``count`` DEALER sockets, one connection each, send a status each and
+  hold their connections open.
 - ``slow_reader``: one DEALER sends ``status``/``collect`` requests at ``rate`` per second and
   never reads (a tiny receive queue).
 - ``peer_flood``: a DEALER on the peer endpoint sends ``kind`` (``hello``, ``notify`` with fresh
@@ -101,6 +103,22 @@ def control_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]
             time.sleep(0.0002)
         i += 1
     return {"sent": sent, "queue_full": full}
+
+
+def many_connections(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    ctx.set(zmq.MAX_SOCKETS, spec["count"] + 16)
+    socks = []
+    for i in range(spec["count"]):  # one connection per socket (a second connect is a no-op)
+        sock = _dealer(ctx, spec["endpoint"])
+        sock.send(ENC.encode(Status(id=i + 1)), zmq.NOBLOCK)  # queued until connected
+        socks.append(sock)
+    time.sleep(1.0)
+    print("ready", flush=True)
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline and not _stop_requested():
+        time.sleep(0.05)
+    answered = sum(1 for s in socks if s.poll(0))
+    return {"sockets": len(socks), "answered": answered}
 
 
 def slow_reader(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
@@ -315,6 +333,7 @@ def shrinker(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
 
 ATTACKS = {
     "control_flood": control_flood,
+    "many_connections": many_connections,
     "slow_reader": slow_reader,
     "peer_flood": peer_flood,
     "fd_hoard": fd_hoard,
