@@ -102,8 +102,10 @@ def test_fd_hoarder_cannot_take_the_daemons_descriptors() -> None:
     assert counts["kept"] == 0, f"{counts['kept']} hoarder connections still open"
     assert after <= baseline + 8, f"daemon fds {baseline} -> {after}: the hoard was not released"
     assert log_lines < 100, f"{log_lines} log lines"
-    for event in ("refused_connections", "refused_deliveries", "expired_deliveries", "idle_closed"):
-        assert events[("fd_channel", event)] > 0, events
+    fd = {event: n for (plane, event), n in events.items() if plane == "fd_channel"}
+    assert fd["refused_connections"] + fd["refused_deliveries"] > 0, fd  # per-process limits
+    # Released by expiry, idle close or eviction (which one depends on the descriptor budget).
+    assert fd["expired_deliveries"] + fd["idle_closed"] + fd["evicted"] > 0, fd
 
 
 def _register(c: SidecarClient, engine: str, layers: int) -> None:
@@ -194,5 +196,6 @@ def test_a_thousand_zmq_connections_do_not_abort_the_daemon() -> None:
     assert alive, "the daemon died"
     assert engines == []
     assert held < 1024 - 100, f"the daemon holds {held} of 1024 descriptors"
-    assert 0 < counts["answered"] < 1100, counts  # some served, the rest refused
+    # At most its share served (how many depends on how many were counted in flight at once).
+    assert counts["answered"] <= 256, counts
     assert events[("control", "refused_connections")] > 0, events
