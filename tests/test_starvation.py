@@ -16,10 +16,14 @@ import time
 from collections import Counter
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.client import SidecarClient, SidecarError
+from kvsidecar.peer.messages import ReadBlocks
 from tests.harness import LineChild, WorkerProcess, daemon_process, make_config, workers
 from tests.test_faults import rss_mib
 
@@ -223,6 +227,48 @@ def test_peer_flood_neither_stalls_nor_grows() -> None:
     # beyond the bound (a third of the flood names made-up requests of engine "e").
     assert events[("peer", "unreadable")] > 0, events
     assert events[("peer", "notifies_dropped")] > 0, events
+
+
+def test_peer_read_ranges_cannot_overflow() -> None:
+    """A raw peer asks a producer for ranges whose end does not fit in 64 bits: refused with
+    ``out_of_range`` (the sum used to wrap negative and pass), while a valid range is served."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = make_config(
+        peer_endpoint=f"tcp://127.0.0.1:{port}", insecure=True, peer_data_plane="zmq"
+    )
+    spec = {
+        "endpoint": config.endpoint,
+        "engine": "e",
+        "layers": 1,
+        "blocks": 8,
+        "block_size": 4,
+        "heads": 2,
+        "head_size": 8,
+        "seed": 1,
+    }
+    ctx: zmq.Context[Any] = zmq.Context()
+    with daemon_process(config), workers([spec]):
+        with SidecarClient(config.endpoint, heartbeat=False) as c:
+            c.publish("e", "r1", [0, 1])  # a published request: the read's only flaw is its range
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(config.peer_endpoint)
+        codes = []
+        for i, (off, n) in enumerate([(8, 2**63 - 1), (2**62, 2**62), (2**63 - 8, 16), (0, 64)]):
+            read = ReadBlocks(
+                id=i + 1, engine_id="e", tp_rank=0, pp_rank=0, request_id="r1", layers=["layer0"]
+            )
+            ranges = np.array([[0, off, n]], dtype="<i8")
+            peer.send_multipart([msgspec.msgpack.encode(read), ranges.tobytes()])
+            assert peer.poll(10_000), "no reply"
+            reply = peer.recv_multipart()
+            head = msgspec.msgpack.decode(reply[0])
+            codes.append(head.get("code") or (head["type"], head["nbytes"], len(reply) - 1))
+        peer.close()
+    ctx.term()
+    assert codes == ["out_of_range"] * 3 + [("read_data", 64, 1)], codes
 
 
 @pytest.mark.parametrize("slowloris", [False, True], ids=["idle", "slowloris"])

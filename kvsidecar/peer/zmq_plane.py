@@ -153,7 +153,9 @@ def serve_read(
     sizes = np.array([b.mapped.nbytes for b in bufs], dtype=np.int64)
     if idx.min() < 0 or idx.max() >= len(bufs):
         return _refuse(msg, "out_of_range", "layer index outside the named layers"), []
-    if off.min() < 0 or n.min() <= 0 or np.any(off + n > sizes[idx]):
+    # ``n > size - off``, not ``off + n > size``: int64 sums wrap, and a length near 2**63 made
+    # the sum negative and passed the check.
+    if off.min() < 0 or n.min() <= 0 or np.any(n > sizes[idx] - off):
         return _refuse(msg, "out_of_range", "a range runs outside its layer buffer"), []
     try:
         views = [as_bytes(b) for b in bufs]
