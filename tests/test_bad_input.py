@@ -9,13 +9,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
-import zmq.asyncio
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
 from kvsidecar.daemon.config import Config
 from kvsidecar.memory import allocate_kv_caches
-from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move, Reply
+from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move
+from tests.helpers.raw import raw_call
 from tests.support.daemons import make_config, run_daemon
 from tests.support.ids import id_frame
 
@@ -74,20 +73,6 @@ async def env() -> AsyncIterator[Env]:
         finally:
             for c in clients:
                 await c.close()
-
-
-async def raw_call(endpoint: str, frames: list[bytes]) -> Reply:
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        await sock.send_multipart(frames)
-        assert await sock.poll(5000), "no reply"
-        reply_frames = await sock.recv_multipart()
-    finally:
-        sock.close()
-    return msgspec.msgpack.decode(reply_frames[0], type=Reply)
 
 
 A, B, ODD = WorkerRef("a"), WorkerRef("b"), WorkerRef("odd")

@@ -31,12 +31,12 @@ from kvsidecar.memory.cuda_ipc import (
     plan_opens,
 )
 from kvsidecar.memory.cuda_sync import check_events
-from kvsidecar.memory.fd_channel import FdChannelClient
+from kvsidecar.memory.fd_client import FdChannelClient
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Register, Registered
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, MoveEvents
 from tests.helpers import cuda_engine
+from tests.helpers.raw import raw_call
 from tests.support.daemons import daemon_process, make_config, run_daemon
-from tests.test_bad_input import raw_call
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -33,7 +33,8 @@ from kvsidecar.memory.cuda_vmm import (
     open_cuda_vmm_all,
     plan_chunks,
 )
-from kvsidecar.memory.fd_channel import MAX_FDS, FdChannelClient, FdChannelServer, materialize
+from kvsidecar.memory.fd_channel import FdChannelServer
+from kvsidecar.memory.fd_client import MAX_FDS, FdChannelClient, materialize
 from tests.support.daemons import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,14 +22,14 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.support import ROOT
+from tests.support.deploy import DEPLOY, IMAGE, K8S, sidecar_of, sidecar_runtime_dir, yaml_documents
 from tests.support.promql import (
     DASHBOARD,
     PROMETHEUS_SYNTHETIC,
@@ -47,9 +47,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
-DEPLOY = REPO / "deploy"
-K8S = DEPLOY / "kubernetes"
+REPO = ROOT
 RULE_TESTS = DEPLOY / "prometheus" / "kvsidecar-rules.test.yaml"
 PROMETHEUS_RULE = K8S / "prometheusrule.yaml"
 UNIT = DEPLOY / "systemd" / "kvsidecar.service"
@@ -124,14 +122,6 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         args, cwd=cwd, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False
     )
-
-
-def yaml_documents(paths: Iterable[Path]) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every non-empty YAML document of the given files."""
-    for path in paths:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                yield path, doc
 
 
 MANIFESTS = sorted(K8S.rglob("*.yaml"))
@@ -253,10 +243,6 @@ def test_native_sidecar_example() -> None:
     assert "startupProbe" in sidecar
 
 
-IMAGE = "ghcr.io/kvsidecar/kvsidecar"
-"""The repository the Dockerfile's images are pushed to; tags are <version>-<torch variant>."""
-
-
 def _pods() -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
     """(file, metadata with namespace, pod spec) of every pod the manifests make."""
     pods = []
@@ -272,49 +258,6 @@ def _pods() -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
     return [*pod.get("initContainers", []), *pod["containers"]]
-
-
-def _sidecar(pod: dict[str, Any]) -> dict[str, Any] | None:
-    """The pod's kvsidecar native sidecar (an init container that keeps running), if any."""
-    return next(
-        (
-            c
-            for c in pod.get("initContainers", [])
-            if c["image"].startswith(IMAGE + ":") and c.get("restartPolicy") == "Always"
-        ),
-        None,
-    )
-
-
-@dataclass(frozen=True)
-class SidecarRuntime:
-    """Where a sidecar pod's daemon keeps its sockets, as the manifest says."""
-
-    volume: str
-    """The volume both containers mount for it."""
-    mount: str
-    """Where both mount it."""
-    runtime_dir: str
-    """KVSIDECAR_RUNTIME_DIR of both containers: the daemon's runtime_dir, the engines' endpoint."""
-
-
-def sidecar_runtime_dir(pod: dict[str, Any]) -> SidecarRuntime:
-    """The runtime directory of a pod with a kvsidecar sidecar; the same in every container."""
-    sidecar = _sidecar(pod)
-    assert sidecar is not None
-    found = set()
-    for container in [sidecar, *pod["containers"]]:
-        env = {e["name"]: e.get("value") for e in container.get("env", [])}
-        runtime_dir = env["KVSIDECAR_RUNTIME_DIR"]
-        (mount,) = [
-            m
-            for m in container["volumeMounts"]
-            if PurePosixPath(m["mountPath"]) in PurePosixPath(runtime_dir).parents
-            or m["mountPath"] == runtime_dir
-        ]
-        found.add(SidecarRuntime(mount["name"], mount["mountPath"], runtime_dir))
-    (runtime,) = found
-    return runtime
 
 
 def test_daemon_and_engine_share_dev_shm_and_pids() -> None:
@@ -338,7 +281,7 @@ def test_daemon_and_engine_share_dev_shm_and_pids() -> None:
         # A pod with its own sidecar: one Memory emptyDir at /dev/shm in every container that
         # keeps running, and one PID namespace.
         assert pod.get("shareProcessNamespace") is True, (path, meta["name"])
-        sidecar = _sidecar(pod)
+        sidecar = sidecar_of(pod)
         assert sidecar is not None, (path, meta["name"])
         running = [sidecar["name"], *(c["name"] for c in pod["containers"])]
         assert sorted(mounts) == sorted(running), (path, meta["name"])
@@ -449,7 +392,7 @@ def test_podmonitor_scrapes_every_sidecar_as_its_own_job() -> None:
     ]
     assert len(selected) == 2
     for meta, pod in selected:
-        sidecar = _sidecar(pod)
+        sidecar = sidecar_of(pod)
         assert sidecar is not None, meta["name"]
         ports = {p["name"] for p in sidecar["ports"]}
         assert {e["port"] for e in spec["podMetricsEndpoints"]} <= ports
@@ -477,7 +420,7 @@ def test_sidecars_run_in_a_subdirectory_of_their_emptydir() -> None:
         for d in _by_kind("ConfigMap")
     }
     for _, meta, pod in _pods():
-        sidecar = _sidecar(pod)
+        sidecar = sidecar_of(pod)
         if sidecar is None:
             continue
         runtime = sidecar_runtime_dir(pod)

@@ -27,7 +27,7 @@ from kvsidecar.daemon.config import Config
 from kvsidecar.exitcodes import EXIT_CONFIG
 from tests.support import ROOT
 from tests.support.daemons import DaemonProcess
-from tests.test_deploy import K8S, sidecar_runtime_dir, yaml_documents
+from tests.support.deploy import K8S, sidecar_runtime_dir, yaml_documents
 
 pytestmark = [
     pytest.mark.timeout(90),

@@ -7,6 +7,7 @@ started with subprocess (no fork, nothing inherited but stdin/stdout).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -369,7 +370,7 @@ async def test_server_matches_tokens_in_any_order_and_cleans_up(sock_path: Path)
         # Earlier tests' exception tracebacks hold memfds in reference cycles; collected now,
         # they cannot close an fd in the middle of this count.
         gc.collect()
-        n0 = fd_count()
+        before = open_fds()  # a set: an earlier test's garbage may close its fds meanwhile
         with FdChannelClient(sock_path) as client:
             r, w = os.pipe()
             # registration first, fds later
@@ -405,7 +406,7 @@ async def test_server_matches_tokens_in_any_order_and_cleans_up(sock_path: Path)
         assert closed == [conn]
         with pytest.raises(TimeoutError):
             await server.take(b"unclaimed", timeout=0.01)
-        assert fd_count() == n0
+        assert not open_fds() - before
     assert not sock_path.exists()
 
 
@@ -431,7 +432,9 @@ async def test_server_drops_bad_peers_and_keeps_serving(sock_path: Path) -> None
                     break
                 await asyncio.sleep(0.01)
             assert len(closed) == 1
-            assert bad.recv(1) == b""  # the server hung up on it
+            # The server hung up on it (a reset when it left the rest of the garbage unread).
+            with contextlib.suppress(ConnectionResetError):
+                assert bad.recv(1) == b""
             r, w = os.pipe()
             good.send(b"ok", [r])
             _, got = await server.take(b"ok", timeout=2)

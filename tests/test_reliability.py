@@ -154,7 +154,8 @@ async def test_release_fails_queued_moves_with_worker_lost() -> None:
             {f"l{i}": t for i, t in enumerate(mem)}, engine_id="w", host_blocks=256
         )
         ids = list(range(256))
-        moves = [asyncio.ensure_future(admin.offload(WorkerRef("w"), ids, ids)) for _ in range(6)]
+        # 24: a 128 MiB move takes ~8 ms here, so 6 could all end before the unregister comes.
+        moves = [asyncio.ensure_future(admin.offload(WorkerRef("w"), ids, ids)) for _ in range(24)]
         await asyncio.sleep(0.05)
         await owner.unregister()
         results = await asyncio.wait_for(asyncio.gather(*moves, return_exceptions=True), 30)

@@ -20,7 +20,7 @@ from kvsidecar.client.codec import _Codec
 from kvsidecar.core import layout
 from kvsidecar.memory.cuda_ipc import device_uuid
 from kvsidecar.memory.cuda_sync import MoveSync, Sync, SyncBeforeSend
-from kvsidecar.memory.fd_channel import FdChannelClient
+from kvsidecar.memory.fd_client import FdChannelClient
 from kvsidecar.wire.curve import KeyPair, client_keys_from_env, secure_client_socket
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError

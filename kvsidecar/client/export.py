@@ -16,7 +16,7 @@ from kvsidecar.core import layout
 from kvsidecar.memory import cuda_driver
 from kvsidecar.memory.cuda_ipc import export_cuda_tensors
 from kvsidecar.memory.cuda_vmm import choose_export, export_vmm_tensors
-from kvsidecar.memory.fd_channel import FdSource
+from kvsidecar.memory.fd_client import FdSource
 from kvsidecar.memory.shm import export_tensors
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import Arrangement, HandleRef, LayerSpec, MemoryOrder

@@ -21,7 +21,7 @@ from kvsidecar.client.codec import Ids, R, T, _as_id_array, _dtype_of
 from kvsidecar.client.common import _Base, _Registration
 from kvsidecar.client.export import export_layers
 from kvsidecar.memory.cuda_sync import Sync
-from kvsidecar.memory.fd_channel import MAX_FDS, FdChannelClient
+from kvsidecar.memory.fd_client import MAX_FDS, FdChannelClient
 from kvsidecar.wire.batch import MoveBatch, MovedBatch, MoveItem
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids

@@ -9,5 +9,5 @@
 - `completions`: per-engine aggregation of workers' reports (``report`` / ``collect``).
 - `metrics`, `observability`, `sdnotify`: Prometheus, health probes, systemd's notify protocol.
 
-``python -m kvsidecar.daemon`` serves with settings from ``KVSIDECAR_*`` (`server.main`).
+``python -m kvsidecar.daemon`` serves with settings from ``KVSIDECAR_*`` (``__main__``).
 """

@@ -1,5 +1,24 @@
-"""``python -m kvsidecar.daemon``: serve with settings from ``KVSIDECAR_*`` (see `server.main`)."""
+"""``python -m kvsidecar.daemon``: serve with settings from ``KVSIDECAR_*`` and exit.
 
-from kvsidecar.daemon.server import main
+``KVSIDECAR_CONFIG`` may name a TOML file. The CLI (``kvsidecar serve``) is the documented entry
+point; this one exists for tests and minimal containers.
+"""
 
-main()
+import logging
+import os
+import sys
+
+import prometheus_client
+
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.server import Daemon
+
+config = Config.load(os.environ.get("KVSIDECAR_CONFIG"))
+logging.basicConfig(
+    level=config.log_level.upper(),
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    stream=sys.stderr,
+)
+# Process-wide, hence in the entry point and not in the library (see kvsidecar.cli).
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+Daemon(config).run()

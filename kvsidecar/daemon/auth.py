@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,9 @@ class ZapHandler:
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.policies: dict[str, DomainPolicy] = {}
+        self.admission: dict[str, Callable[[bytes], str]] = {}
+        """Per domain, a last say on an authenticated connection by its address: why to refuse
+        it ("" to let it in); `kvsidecar.daemon.connections.ConnectionCount.admit`."""
         self.stats = ZapStats()
         self._logged: dict[str, float] = {}
 
@@ -112,7 +116,11 @@ class ZapHandler:
     async def _serve(self) -> None:
         assert self._sock is not None
         sock = self._sock
+        served = 0
         while True:
+            served += 1
+            if served % 32 == 0:  # a receive that finds one waiting never yields: a connection
+                await asyncio.sleep(0)  # flood must not hold the loop
             # ROUTER framing: [routing id, empty delimiter, *ZAP request] (the request socket is a
             # REQ inside libzmq).
             frames = await sock.recv_multipart()
@@ -133,6 +141,10 @@ class ZapHandler:
         status, text, user = self._decide(
             domain.decode(errors="replace"), address, mechanism, credentials
         )
+        admit = self.admission.get(domain.decode(errors="replace"))
+        refusal = "" if admit is None or status != b"200" else admit(address)
+        if refusal:  # reliability: a connection limit
+            status, text, user = b"400", refusal, ""
         if status == b"200":
             self.stats.accepted += 1
         else:
@@ -206,6 +218,8 @@ def secure_server_socket(sock: zmq.Socket[Any], *, domain: str, keys: KeyPair | 
     sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
     # Fail closed: without a handler answering, connections are refused, not let through.
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    # A connection holds a descriptor until its handshake ends: 5 s, not libzmq's 30 s default.
+    sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
     if keys is not None:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)

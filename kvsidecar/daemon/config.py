@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvsidecar.daemon.settings import SETTINGS, Setting
+from kvsidecar.memory.fd_limits import FdLimits
 from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
 
 if sys.version_info >= (3, 11):
@@ -113,6 +114,11 @@ class Config:
     max_host_blocks: int = 1 << 22
     host_pool_user_bytes: int = 0
     max_reply_bytes: int = 64 << 20
+    # --- connection limits ---
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
+    fd_max_unclaimed: int = 4096
+    fd_unclaimed_s: float = 30.0
 
     def __post_init__(self) -> None:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
@@ -185,6 +191,10 @@ class Config:
         if self.max_reply_bytes < 1 << 20:
             raise ConfigError("max_reply_bytes must be >= 1 MiB")
         try:
+            _ = self.fd_limits
+        except ValueError as exc:
+            raise ConfigError(f"connection and fd limits: {exc}") from None
+        try:
             _ = self.uids
         except ValueError:
             raise ConfigError(
@@ -196,6 +206,18 @@ class Config:
         """The uids allowed on the ipc endpoint and the fd channel (default: our own)."""
         parts = [p.strip() for p in self.allowed_uids.split(",") if p.strip()]
         return frozenset(int(p) for p in parts) if parts else frozenset({os.geteuid()})
+
+    @property
+    def fd_limits(self) -> FdLimits:
+        """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
+        return FdLimits(
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
+            max_unclaimed_fds=self.fd_max_unclaimed,
+            max_unclaimed_fds_per_peer=max(1, self.fd_max_unclaimed // 4),
+            unclaimed_s=self.fd_unclaimed_s,
+            idle_s=self.fd_unclaimed_s / 3,
+        )
 
     @property
     def ipc_path(self) -> str | None:

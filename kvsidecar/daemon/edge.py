@@ -65,7 +65,7 @@ ids); Publish: the published ids; MoveBatch: (every item's source ids, destinati
 
 _Frames = list[zmq.Frame]
 _BURST = 64
-"""Requests served per reader callback before yielding to the loop."""
+"""Requests served per reader callback before yielding to the loop (bounded work per turn)."""
 
 Dispatched = tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]
 """What ``_dispatch`` returns: an inline reply and its data frames, a coroutine run as a task,
@@ -156,6 +156,9 @@ class Edge:
     _envelope: msgspec.msgpack.Decoder[Envelope]
     _encoder: msgspec.msgpack.Encoder
 
+    _read_scheduled = False
+    """A call of `_on_readable` is queued on the loop (never more than one: `_schedule_read`)."""
+
     def _dispatch(
         self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
     ) -> Dispatched:
@@ -172,16 +175,35 @@ class Edge:
         loop = asyncio.get_running_loop()
         fd = int(self._sock.getsockopt(zmq.FD))
         loop.add_reader(fd, self._on_readable)
-        loop.call_soon(self._on_readable)  # anything queued before the reader existed
+        self._schedule_read()  # anything queued before the reader existed
         try:
             await loop.create_future()  # until cancelled
         finally:
             loop.remove_reader(fd)
 
+    def _schedule_read(self, *, from_thread: bool = False) -> None:
+        """Queue one `_on_readable` on the loop unless one is queued already.
+
+        Several reasons to read again come up in one turn (each reply sent may swallow the fd's
+        edge, a burst may end with requests waiting): one queued read serves them all. Queuing
+        one per reason let a client that sends without reading multiply them turn after turn,
+        until the loop spent whole seconds per turn and starved timers, ZAP and the fd channel.
+        """
+        if self._read_scheduled:
+            return
+        self._read_scheduled = True
+        if not from_thread:
+            asyncio.get_running_loop().call_soon(self._on_readable)
+        elif self._loop is not None:
+            call_soon_from_thread(self._loop, self._on_readable)
+
     def _on_readable(self) -> None:
         # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
         # left to read (and `_send` re-checks after each send, which may swallow the edge). A
-        # burst is served in slices so that other callbacks (copy completions) run in between.
+        # burst is served in slices so that other callbacks (copy completions, the fd channel,
+        # ZAP, timers) run in between; libzmq's fair queueing takes one request per connection
+        # in turn, so one client's backlog does not delay another's requests by more than that.
+        self._read_scheduled = False
         lock = self._sock_lock
         for _ in range(_BURST):
             with lock:
@@ -195,7 +217,7 @@ class Edge:
                 self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
-        asyncio.get_running_loop().call_soon(self._on_readable)
+        self._schedule_read()
 
     def _send(
         self,
@@ -237,10 +259,7 @@ class Edge:
         if large:
             self.reply_budget.track(trackers, size)
         if pending:
-            if not from_thread:
-                asyncio.get_running_loop().call_soon(self._on_readable)
-            elif self._loop is not None:
-                call_soon_from_thread(self._loop, self._on_readable)
+            self._schedule_read(from_thread=from_thread)
 
     def _on_message(self, frames: _Frames) -> None:
         ident = frames[0].bytes

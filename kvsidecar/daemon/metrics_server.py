@@ -102,6 +102,11 @@ class MetricsServer:
     One request per connection (``Connection: close``): scrapes and probes come seconds apart, and
     it keeps the server free of keep-alive state. Collection runs on the loop; with the few hundred
     series the daemon exports it takes well under a millisecond.
+
+    At most ``max_connections`` are open at once; a new one beyond that closes the oldest (which
+    has waited longest for its request head, or for a slow reader to take its answer). A probe
+    sends its request as it connects and is answered within a loop turn, so idle or slow
+    connections opened at any rate cannot make probes fail: they only push each other out.
     """
 
     def __init__(
@@ -112,7 +117,7 @@ class MetricsServer:
         port: int,
         host: str = "127.0.0.1",
         max_request_bytes: int = 8192,
-        request_timeout_s: float = 5.0,
+        request_timeout_s: float = 2.0,
         max_connections: int = 64,
         watchdog_interval_s: float = 0.25,
         max_loop_lag_s: float = 1.0,
@@ -139,7 +144,10 @@ class MetricsServer:
 
         self._server: asyncio.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._connections: set[asyncio.Task[object]] = set()
+        self._connections: dict[asyncio.Task[object], None] = {}
+        """Open connections' handlers, oldest first."""
+        self.evicted_total = 0
+        """Connections closed to make room for a newer one."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_tick = 0.0
         self._stalled_until = 0.0
@@ -246,14 +254,15 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        while len(self._connections) >= self._max_connections:
+            oldest = next(iter(self._connections))
+            del self._connections[oldest]
+            oldest.cancel()  # its ``finally`` closes its socket
+            self.evicted_total += 1
         if task is not None:
-            self._connections.add(task)
+            self._connections[task] = None
         try:
-            response: _Response | None
-            if len(self._connections) > self._max_connections:
-                response = _Response(HTTPStatus.SERVICE_UNAVAILABLE, b"too many connections\n")
-            else:
-                response = await self._read_and_route(reader)
+            response = await self._read_and_route(reader)
             if response is not None:
                 writer.write(_serialize(response))
                 await asyncio.wait_for(writer.drain(), self._request_timeout_s)
@@ -265,7 +274,7 @@ class MetricsServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
             if task is not None:
-                self._connections.discard(task)
+                self._connections.pop(task, None)
 
     async def _read_and_route(self, reader: asyncio.StreamReader) -> _Response | None:
         try:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["StateCollector", "StateProvider", "StateSnapshot"]
 
@@ -44,6 +44,9 @@ class StateSnapshot:
     """Host block ids each engine may allocate (its ``host_blocks``; 0 without host blocks)."""
     host_blocks_used: Mapping[str, int] = field(default_factory=dict)
     """Host block ids each engine holds; ``host_alloc`` fails (``pool_exhausted``) at capacity."""
+    defence_events: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """How often each defence against a misbehaving client acted since start, by (plane, event):
+    refusals, evictions, expiries, dropped replies (docs/metrics.md lists them)."""
 
 
 class StateProvider(Protocol):
@@ -100,6 +103,14 @@ class StateCollector:
         def scalar(name: str, doc: str, value: int) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"{ns}_{name}", doc, value=value)
 
+        defences = CounterMetricFamily(
+            f"{ns}_defence_events",
+            "Times a defence against a misbehaving client acted, by plane and event.",
+            labels=["plane", "event"],
+        )
+        for (plane, event), count in sorted(s.defence_events.items()):
+            defences.add_metric([plane, event], count)
+
         return [
             per_engine(
                 "registered_workers", "Workers with a live lease, by engine.", s.registered_workers
@@ -141,4 +152,5 @@ class StateCollector:
                 "Host block ids an engine holds; host_alloc fails with pool_exhausted at capacity.",
                 s.host_blocks_used,
             ),
+            defences,
         ]

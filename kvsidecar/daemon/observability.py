@@ -178,6 +178,7 @@ def snapshot(
     pool_used: int,
     in_flight: int,
     pending: dict[str, int],
+    defences: dict[tuple[str, str], int] | None = None,
 ) -> StateSnapshot:
     """Build the scrape-time state: per engine workers, buffer bytes, pending requests."""
     workers: dict[str, int] = {}
@@ -197,6 +198,7 @@ def snapshot(
         inflight_moves=in_flight,
         host_blocks_capacity={e: engine.host_blocks for e, engine in registry.engines.items()},
         host_blocks_used={e: engine.host_used() for e, engine in registry.engines.items()},
+        defence_events=defences or {},
     )
 
 

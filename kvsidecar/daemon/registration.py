@@ -272,8 +272,10 @@ class Registration:
                         "handle_error",
                         f"no fds arrived on {self.config.fd_socket} for this registration",
                     ) from None
-                except HandleError as exc:
-                    raise SidecarError("handle_error", str(exc)) from None
+                except HandleError as exc:  # busy: refused or lost for lack of room, retry
+                    raise SidecarError(
+                        "busy" if exc.code == "busy" else "handle_error", str(exc)
+                    ) from None
                 fds += got
                 conns.add(conn.id)
             if len(conns) != 1:

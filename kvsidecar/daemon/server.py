@@ -31,7 +31,6 @@ import itertools
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Hashable
@@ -55,6 +54,7 @@ from kvsidecar.daemon.auth import (
 from kvsidecar.daemon.commands import Commands
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.connections import ConnectionCount
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.gpu import check_cuda
@@ -68,6 +68,7 @@ from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.memory.fd_channel import FdChannelServer
+from kvsidecar.memory.fd_limits import raise_fd_limit
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire import zmqio
@@ -149,6 +150,7 @@ class Daemon(Edge, Registration, Commands):
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
         self.reply_budget = ReplyBudget(config.max_reply_bytes)
         """Bytes of large replies waiting for their readers (`kvsidecar.daemon.replies`)."""
+        self._connections: ConnectionCount | None = None
         self.zap: ZapHandler | None = None
         """Authenticates connections (peer uid on ipc, CURVE key on tcp); set in startup."""
         self.insecure_transport = False
@@ -220,10 +222,40 @@ class Daemon(Edge, Registration, Commands):
             self._pool = HostPool(cfg.host_pool_bytes)
         self.capabilities = daemon_capabilities()
         self._executor = CopyExecutor(cfg.copy_threads)
+        # reliability: use the descriptors we may (a flood must not meet a low soft limit)
+        before, after = raise_fd_limit()
+        if after != before:
+            log.info("open files limit raised from %d to %d", before, after)
         self._fd_server = FdChannelServer(
-            cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids
+            cfg.fd_socket, on_close=self._on_fd_close, allowed_uids=cfg.uids, limits=cfg.fd_limits
         )
         await self._fd_server.start()
+        self._bind_control()
+        # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
+        self.peer = PeerService(cfg, self.registry, self._executor)
+        await self.peer.start()
+        # --- end peer ---
+        # --- completions + metrics: peer outcomes feed the aggregation; endpoint bound last ---
+        self.peer.on_completion = self._on_peer_completion
+        await self.observability.start(self, self.readiness)
+        # security: plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport
+        peer_plain = bool(cfg.peer_endpoint) and not cfg.curve_secret_key
+        self.insecure_transport = self.insecure_transport or peer_plain
+        self.observability.metrics.set_insecure_transport(self.insecure_transport)
+        self._started_at = time.monotonic()
+        self._start_background()
+        log.info(
+            "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
+        )
+        # What exists now (torch, numpy, sockets, settings) lives as long as the daemon: out of
+        # the cyclic collector's way, whose full passes otherwise walk it all (a profile of a
+        # 1 GiB pull found them at 12% of the consumer's and 45% of the producer's samples).
+        gc.freeze()
+        self.started.set()
+
+    def _bind_control(self) -> None:
+        """Start ZAP, then bind the control ROUTER behind it, with its connection limits."""
+        cfg = self.config
         transport = control_transport(cfg)  # security: ConfigError on bad key files
         self.insecure_transport = transport.insecure
         self._ctx = zmq.asyncio.Context()
@@ -241,24 +273,20 @@ class Daemon(Edge, Registration, Commands):
         if cfg.ipc_path is not None:
             os.chmod(cfg.ipc_path, 0o600)
         self._sock = sock
-        # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
-        self.peer = PeerService(cfg, self.registry, self._executor)
-        await self.peer.start()
-        # --- end peer ---
-        # --- completions + metrics: peer outcomes feed the aggregation; endpoint bound last ---
-        self.peer.on_completion = self._on_peer_completion
-        await self.observability.start(self, self.readiness)
-        # security: plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport
-        peer_plain = bool(cfg.peer_endpoint) and not cfg.curve_secret_key
-        self.insecure_transport = self.insecure_transport or peer_plain
-        self.observability.metrics.set_insecure_transport(self.insecure_transport)
-        self._started_at = time.monotonic()
+        # reliability: connections per peer and in total, decided by ZAP (daemon/connections.py)
+        self._connections = ConnectionCount(
+            sock, max_total=cfg.max_connections, max_per_peer=cfg.max_connections_per_peer
+        )
+        self.zap.admission[CONTROL_DOMAIN] = self._connections.admit
+
+    def _start_background(self) -> None:
+        """Start reading requests, sweeping leases and (under systemd) the watchdog; say READY."""
         self._loop = asyncio.get_running_loop()
         self._background = [
             asyncio.create_task(self._recv_loop(), name="kvsidecar-recv"),
             asyncio.create_task(self._lease_loop(), name="kvsidecar-leases"),
         ]
-        self._notifier.ready(f"serving on {cfg.endpoint}")
+        self._notifier.ready(f"serving on {self.config.endpoint}")
         interval = self._notifier.watchdog_interval()
         if interval is not None:  # WatchdogSec=: pinged from the loop, so a stalled loop stops it
             self._background.append(
@@ -269,14 +297,6 @@ class Daemon(Edge, Registration, Commands):
                     name="kvsidecar-watchdog",
                 )
             )
-        log.info(
-            "kvsidecar %s serving on %s (fd channel %s)", __version__, cfg.endpoint, cfg.fd_socket
-        )
-        # What exists now (torch, numpy, sockets, settings) lives as long as the daemon: out of
-        # the cyclic collector's way, whose full passes otherwise walk it all (a profile of a
-        # 1 GiB pull found them at 12% of the consumer's and 45% of the producer's samples).
-        gc.freeze()
-        self.started.set()
 
     async def shutdown(self) -> None:
         """Stop accepting, drain in-flight moves (bounded), release every mapping, close sockets.
@@ -312,6 +332,9 @@ class Daemon(Edge, Registration, Commands):
         if self._fd_server is not None:
             await self._fd_server.close()
             self._fd_server = None
+        if self._connections is not None:
+            await self._connections.close()
+            self._connections = None
         with self._sock_lock:
             if self._sock is not None:
                 self._sock.close(linger=0)
@@ -422,7 +445,22 @@ class Daemon(Edge, Registration, Commands):
             pool_used=0 if pool is None else pool.used_bytes,
             in_flight=0 if executor is None else executor.in_flight,
             pending=self.completions.pending_requests(),
+            defences=self._defence_events(),
         )
+
+    def _defence_events(self) -> dict[tuple[str, str], int]:
+        """Count what the fd channel, the peer plane and the HTTP endpoint refused or dropped."""
+        fd, peer, http = self._fd_server, self.peer, self.observability.server
+        events = {} if fd is None else {("fd_channel", k): v for k, v in vars(fd.stats).items()}
+        if peer is not None:
+            events[("peer", "replies_dropped")] = peer.replies_dropped_total
+            events[("peer", "unreadable")] = peer.unreadable_total
+            events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
+        if http is not None:
+            events[("metrics", "evicted")] = http.evicted_total
+        if self._connections is not None:
+            events[("control", "refused_connections")] = self._connections.refused
+        return events
 
     def readiness(self) -> Readiness:
         """`kvsidecar.daemon.metrics_server.HealthProvider`: what ``/readyz`` decides on."""
@@ -438,31 +476,3 @@ class Daemon(Edge, Registration, Commands):
         self.completions.on_peer_event(event)
         if self.peer is not None:
             self.peer.completions.append(event)
-
-
-async def serve(config: Config) -> None:
-    """Run a daemon with ``config`` until SIGTERM/SIGINT (or cancellation)."""
-    await Daemon(config).serve()
-
-
-def main() -> None:
-    """Serve with settings from ``KVSIDECAR_*`` (``python -m kvsidecar.daemon``).
-
-    ``KVSIDECAR_CONFIG`` may name a TOML file. The CLI (``kvsidecar serve``) is the documented
-    entry point; this one exists for tests and minimal containers.
-    """
-    config = Config.load(os.environ.get("KVSIDECAR_CONFIG"))
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    import prometheus_client
-
-    # Process-wide, hence in the entry point and not in the library (see kvsidecar.cli).
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    Daemon(config).run()
-
-
-if __name__ == "__main__":
-    main()

@@ -260,5 +260,32 @@ SETTINGS: tuple[Setting, ...] = (
         "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
         "them yet, all connections together; beyond it such requests get a busy error.",
     ),
+    # --- connection limits (kvsidecar/memory/fd_limits.py, daemon/connections.py) ---
+    Setting(
+        "max_connections",
+        int,
+        1024,
+        "Connections in total on the control socket, and on the fd channel (each; also capped "
+        "by the open-files limit).",
+    ),
+    Setting(
+        "max_connections_per_peer",
+        int,
+        256,
+        "Connections one process (uid, pid; an IP on tcp) may hold on the control socket, and on "
+        "the fd channel; more are refused.",
+    ),
+    Setting(
+        "fd_max_unclaimed",
+        int,
+        4096,
+        "Fds received and not yet claimed by a registration, in total (a quarter per process).",
+    ),
+    Setting(
+        "fd_unclaimed_s",
+        float,
+        30.0,
+        "How long received fds wait for their registration before they are closed.",
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""

@@ -28,11 +28,10 @@ from kvsidecar.memory.cuda_ipc import (
     open_cuda_ipc_all,
 )
 from kvsidecar.memory.cuda_vmm import CudaVmmHandle, open_cuda_vmm_all
-from kvsidecar.memory.fd_channel import (
+from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
+from kvsidecar.memory.fd_client import (
     MAX_FDS,
     FdChannelClient,
-    FdChannelServer,
-    FdConnection,
     PeerCred,
     new_token,
     recv_fds,

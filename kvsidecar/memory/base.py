@@ -29,6 +29,7 @@ HandleErrorCode = Literal[
     "device_not_visible",
     "not_shareable",
     "cuda_error",
+    "busy",
 ]
 """Typed reasons a handle could not be made, opened, or a pool request could not be served."""
 

@@ -30,7 +30,7 @@ import torch
 from kvsidecar.memory import cuda_driver
 from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
 from kvsidecar.memory.cuda_ipc import canonical_uuid, device_uuid, local_index
-from kvsidecar.memory.fd_channel import FdSource
+from kvsidecar.memory.fd_client import FdSource
 from kvsidecar.memory.shm import byte_span
 from kvsidecar.wire.types import CudaVmmRef
 
@@ -126,7 +126,7 @@ def export_vmm_tensors(
 ) -> tuple[list[CudaVmmHandle], list[FdSource]]:
     """Describe VMM-backed GPU tensors: their handles and the fds to send.
 
-    Each fd is exported when its batch is sent (see `kvsidecar.memory.fd_channel.FdSource`).
+    Each fd is exported when its batch is sent (see `kvsidecar.memory.fd_client.FdSource`).
 
     Each distinct storage is exported once, chunk by chunk; ``fd_index`` counts from
     ``first_fd_index`` (the fds already in the registration).

@@ -33,6 +33,12 @@ __all__ = ["Dest", "PeerGone", "PeerLink", "PeerRefused"]
 
 log = logging.getLogger("kvsidecar.peer")
 
+_LINK_HWM = 1024
+"""Messages queued each way on a link before libzmq pushes back."""
+_TURN = 16
+"""Replies read before the read loop yields to the event loop (a remote that floods replies
+must not hold the loop: a receive that finds a message waiting never yields by itself)."""
+
 
 class PeerLink:
     """Connection to one remote peer endpoint; create with `PeerLink.open`."""
@@ -56,8 +62,10 @@ class PeerLink:
         self._streams: list[DataStream] = []
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded both ways: requests are bounded by ``slots`` anyway, and a remote that sends
+        # more than was asked for is throttled by TCP instead of growing this daemon's memory.
+        self._sock.setsockopt(zmq.SNDHWM, _LINK_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, _LINK_HWM)
         # Fail fast on a dead peer rather than reconnecting into a half-read reply stream.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -158,12 +166,17 @@ class PeerLink:
 
     async def _read_loop(self) -> None:
         sock = self._sock
+        served = 0
         while True:
+            served += 1
+            if served >= _TURN:
+                served = 0
+                await asyncio.sleep(0)
             header = await sock.recv()
             try:
                 reply = self._decoder.decode(header)
             except msgspec.DecodeError as exc:
-                log.warning("unreadable reply from %s: %s", self.endpoint, exc)
+                log.debug("unreadable reply from %s: %s", self.endpoint, exc)
                 self._drain()
                 continue
             self._drain()  # control replies carry no data frames

@@ -39,6 +39,13 @@ log = logging.getLogger("kvsidecar.peer")
 _MAX_RANGES = 1 << 20
 _EXPIRED_MEMORY = 4096
 """How many expired request ids are remembered to refuse late reads."""
+_EARLY_NOTIFIES = 4096
+"""Requests whose notifications came before their publish, kept at most (each for one lease).
+Beyond it further early notifications are dropped: such a request then ends at its lease, as a
+lost notification does, and a peer sending notifications for made-up requests cannot grow this
+daemon's memory without bound."""
+_MAX_READERS = 1024
+"""Readers counted per producer rank of one request (more than any real TP x DCP fan-in)."""
 
 
 @dataclass(eq=False)
@@ -66,6 +73,10 @@ class Producer:
         self.leases_expired_total = 0
         self.bytes_served_total = 0
         self._held: dict[tuple[str, str], _Held] = {}
+        self._early = 0
+        """Entries of ``_held`` made by a notification before their publish."""
+        self.notifies_dropped_total = 0
+        """Notifications ignored: unknown engine or rank, or too many early ones."""
         self._expired: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     def publish(self, req: Publish, ids: IdArray) -> Ok:
@@ -75,7 +86,9 @@ class Producer:
             raise SidecarError("out_of_range", "published block ids outside the engine's cache")
         lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
         key = (req.engine_id, req.request_id)
-        held = self._held.setdefault(key, _Held(deadline=0.0))
+        held = self._held.setdefault(key, _Held(deadline=0.0, published=True))
+        if not held.published:  # notified before this publish: no longer an early entry
+            self._early -= 1
         held.published = True
         held.deadline = time.monotonic() + lease
         held.blocks = np.union1d(held.blocks, ids.astype(np.int64))
@@ -86,12 +99,24 @@ class Producer:
     def on_notify(self, msg: Notify) -> None:
         """Count a consumer rank's read of one producer rank; release the request when all read."""
         key = (msg.engine_id, msg.request_id)
+        engine = self.registry.engines.get(msg.engine_id)
+        rank = (msg.tp_rank, msg.pp_rank)
         held = self._held.get(key)
+        # Only a rank of a registered engine can have been read; anything else grows nothing.
+        if engine is None or not (0 <= rank[0] < engine.tp_size and 0 <= rank[1] < engine.pp_size):
+            self.notifies_dropped_total += 1
+            return
         if held is None:
+            if self._early >= _EARLY_NOTIFIES:
+                self.notifies_dropped_total += 1
+                return
             # Read before its publish arrived: remembered for one lease, then forgotten.
             held = self._held[key] = _Held(deadline=time.monotonic() + self.config.peer_lease_s)
-        held.expected = max(held.expected, msg.expected_readers)
-        held.readers.setdefault((msg.tp_rank, msg.pp_rank), set()).add(msg.reader)
+            self._early += 1
+        held.expected = max(held.expected, min(msg.expected_readers, _MAX_READERS))
+        readers = held.readers.setdefault(rank, set())
+        if len(readers) < _MAX_READERS:
+            readers.add(msg.reader)
         self._check_sent(key)
 
     def _check_sent(self, key: tuple[str, str]) -> None:
@@ -101,7 +126,7 @@ class Producer:
             return
         ranks = {(w.ref.tp_rank, w.ref.pp_rank) for w in engine.workers.values()}
         if all(len(held.readers.get(r, ())) >= held.expected for r in ranks):
-            del self._held[key]
+            self._forget(key)
             self.emit(PeerCompletion(engine_id=key[0], finished_sending=frozenset({key[1]})))
 
     async def lease_loop(self) -> None:
@@ -113,9 +138,14 @@ class Producer:
             for key, held in list(self._held.items()):
                 if held.deadline > now:
                     continue
-                del self._held[key]
+                self._forget(key)
                 if held.published:
                     self._expire(key)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        held = self._held.pop(key)
+        if not held.published:
+            self._early -= 1
 
     def _expire(self, key: tuple[str, str]) -> None:
         self.leases_expired_total += 1

@@ -23,6 +23,7 @@ import collections
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -68,6 +69,17 @@ from kvsidecar.wire.zmq_memory import keep_freed_memory
 
 log = logging.getLogger("kvsidecar.peer")
 
+PEER_RCVHWM = 256
+"""Messages queued from one peer connection before libzmq stops reading it (TCP then pushes
+back on that peer alone): a flood of peer messages cannot grow the daemon's memory."""
+PEER_SNDHWM = 1024
+"""Replies queued for one peer connection. A consumer has at most ``peer_max_in_flight`` reads
+outstanding, so only a peer that does not read its replies reaches it; its replies are then
+dropped (counted in `PeerService.replies_dropped_total`) rather than queued or waited for."""
+_PEER_TURN = 16
+"""Peer messages served before the serve loop yields to the event loop (the control socket,
+timers and the fd channel run in between, however many peer messages wait)."""
+
 
 class PeerService:
     """Node-to-node transfer for one daemon; `start` in startup, `close` in shutdown."""
@@ -89,6 +101,11 @@ class PeerService:
         self.pulls_total = 0
         self.pulls_failed_total = 0
         self.bytes_pulled_total = 0
+        self.replies_dropped_total = 0
+        """Peer replies dropped because their peer's queue was full (`PEER_SNDHWM`)."""
+        self.unreadable_total = 0
+        """Peer messages that did not decode (dropped)."""
+        self._logged: dict[str, float] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._zap: ZapHandler | None = None  # security: authenticates peers on the endpoint
         self._transport: Transport | None = None
@@ -152,8 +169,8 @@ class PeerService:
         sock = ctx.socket(zmq.ROUTER)
         secure_server_socket(sock, domain=PEER_DOMAIN, keys=transport.keys)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, PEER_RCVHWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         zmqio.bind_or_close(sock, endpoint, "peer endpoint")
@@ -219,20 +236,28 @@ class PeerService:
     async def _serve_loop(self) -> None:
         assert self._sock is not None
         sock = self._sock
+        served = 0
         while True:
+            # A receive that finds a message waiting completes without yielding to the loop:
+            # without the explicit yield below, a peer that floods would hold the loop.
             frames = await sock.recv_multipart(copy=False)
             try:
-                await self._on_peer_message(frames)
+                self._on_peer_message(frames)
             except Exception:  # a bug must not stop serving the other peers
                 log.exception("unhandled error on a peer message")
+            served += 1
+            if served >= _PEER_TURN:
+                served = 0
+                await asyncio.sleep(0)
 
-    async def _on_peer_message(self, frames: list[zmq.Frame]) -> None:
+    def _on_peer_message(self, frames: list[zmq.Frame]) -> None:
         assert self._sock is not None
         ident = frames[0].bytes
         try:
             msg = self._decoder.decode(frames[1].buffer)
         except (msgspec.DecodeError, IndexError) as exc:
-            log.warning("unreadable peer message: %s", exc)
+            self.unreadable_total += 1
+            self._warn_once_a_minute("unreadable", "unreadable peer message (%d so far): %s", exc)
             return
         reply: Any
         data: list[Any] = []
@@ -244,10 +269,32 @@ class PeerService:
             case Notify():
                 self.producer.on_notify(msg)
                 return
+        self._reply(ident, [self._encoder.encode(reply), *data])
+
+    def _reply(self, ident: bytes, frames: list[Any]) -> None:
+        """Queue a reply without waiting: a peer that does not read loses its replies."""
+        assert self._sock is not None
         try:
-            await sock_send(self._sock, [ident, self._encoder.encode(reply), *data])
-        except zmq.ZMQError as exc:  # the peer went away
+            # The blocking socket's send: the asyncio one would wait for room, holding every
+            # other peer's replies behind a peer that never reads.
+            zmq.Socket.send_multipart(self._sock, [ident, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.replies_dropped_total += 1
+            self._warn_once_a_minute(
+                "dropped",
+                "a peer does not read its replies: dropping them (%d so far, queue %d)",
+                PEER_SNDHWM,
+            )
+        except zmq.ZMQError as exc:  # the peer went away (ROUTER_MANDATORY)
             log.debug("peer reply not sent: %s", exc)
+
+    def _warn_once_a_minute(self, what: str, text: str, detail: object) -> None:
+        # A flooding peer must not flood the log too: one line a minute per kind, with a count.
+        now = time.monotonic()
+        if now - self._logged.get(what, -1e9) >= 60.0:
+            self._logged[what] = now
+            count = self.unreadable_total if what == "unreadable" else self.replies_dropped_total
+            log.warning(text, count, detail)
 
     def _welcome(self, msg: PeerHello) -> PeerWelcome | PeerError:
         if msg.protocol_version != PEER_PROTOCOL_VERSION:
@@ -319,8 +366,3 @@ class PeerService:
         link = self._links.pop(endpoint, None)
         if link is not None:
             await link.close()
-
-
-async def sock_send(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-    """Send a multipart reply without copying the data frames."""
-    await sock.send_multipart(frames, copy=False)

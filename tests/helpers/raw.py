@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+import zmq.asyncio
 
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Register, Reply
 from kvsidecar.wire.types import BufferDescriptor, LayerSpec, ShmRef, WorkerRef
@@ -161,3 +162,18 @@ def sealed_memfd(nbytes: int, fill: int = 0) -> int:
     os.pwrite(fd, bytes([fill]) * nbytes, 0)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     return fd
+
+
+async def raw_call(endpoint: str, frames: list[bytes]) -> Reply:
+    """Send ``frames`` on a fresh asyncio DEALER and decode the one reply (5 s at most)."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart(frames)
+        assert await sock.poll(5000), "no reply"
+        reply_frames = await sock.recv_multipart()
+    finally:
+        sock.close()
+    return msgspec.msgpack.decode(reply_frames[0], type=Reply)
