@@ -118,6 +118,8 @@ def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
 
 
 def _needs_fix(src: BufferDescriptor, dst: BufferDescriptor, ratio: int) -> bool:
+    if src.arrangement == "vllm_cpu":
+        return ratio > 1  # K is stored transposed: packed blocks never read as one block
     if src.arrangement == "mla" or src.num_heads == 1:
         return False  # one head: token order is the only order, concatenation is already right
     return src.memory_order != dst.memory_order or (ratio > 1 and dst.memory_order == "HND")
