@@ -33,7 +33,7 @@ from __future__ import annotations
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers
-from kvsidecar.client.sync import SidecarClient
+from kvsidecar.client.sync import Pending, SidecarClient
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
@@ -42,6 +42,7 @@ __all__ = [
     "AsyncSidecarClient",
     "BufferSetRef",
     "Ids",
+    "Pending",
     "SidecarClient",
     "SidecarError",
     "WorkerRef",

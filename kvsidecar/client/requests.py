@@ -21,6 +21,15 @@ from kvsidecar.client.codec import Ids, R, T, _as_id_array, _dtype_of
 from kvsidecar.client.common import _Base, _Registration
 from kvsidecar.client.export import export_layers
 from kvsidecar.memory.fd_channel import FdChannelClient, new_token
+from kvsidecar.wire.cache import (
+    CacheHits,
+    CacheLoad,
+    CacheLoaded,
+    CacheLookup,
+    CacheStore,
+    CacheStored,
+    TakeWorkerEvents,
+)
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids
 from kvsidecar.wire.protocol import (
@@ -86,6 +95,14 @@ def _alloc_ids(reply: HostAllocated, data: list[memoryview]) -> IdArray:
     if len(data) != 1:
         raise SidecarError("bad_frame", "host_allocated reply without its id frame")
     return decode_ids(data[0], reply.ids_dtype, max_ids=reply.count, what="host block").copy()
+
+
+def _key_frame(keys: Sequence[bytes]) -> tuple[int, bytes]:
+    """Return the keys' common size and the keys packed into one frame (all of one size)."""
+    size = len(keys[0]) if keys else 32
+    if any(len(k) != size for k in keys):
+        raise SidecarError("invalid_message", "block keys must all have the same length")
+    return size, b"".join(keys)
 
 
 def _pull_frames(
@@ -358,6 +375,79 @@ class _Requests(_Base):
         return _Call(req, Collected, _reply, timeout=wait)
 
     # --- end completion aggregation ---
+
+    # --- prefix cache and connectors (kvsidecar/daemon/cache.py, worker_events.py) ---
+
+    def _cache_lookup(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        tp_size: int,
+        pin_s: float,
+        timeout: float | None,
+    ) -> _Call[CacheHits, CacheHits]:
+        size, frame = _key_frame(keys)
+        req = CacheLookup(
+            id=self._codec.next_id(),
+            fingerprint=fingerprint,
+            tp_size=tp_size,
+            key_size=size,
+            pin_s=pin_s,
+        )
+        return _Call(req, CacheHits, _reply, (frame,), timeout)
+
+    def _cache_store(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        worker: WorkerRef | None,
+        not_after: float,
+        timeout: float | None,
+    ) -> _Call[CacheStored, CacheStored]:
+        size, frame = _key_frame(keys)
+        ids = _as_id_array(block_ids)
+        req = CacheStore(
+            id=self._codec.next_id(),
+            source=self._stamp(BufferSetRef(worker or self.worker)),
+            fingerprint=fingerprint,
+            key_size=size,
+            ids_dtype=_dtype_of(ids),
+            not_after=not_after,
+        )
+        return _Call(req, CacheStored, _reply, (frame, ids), timeout)
+
+    def _cache_load(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        worker: WorkerRef | None,
+        pin_id: int,
+        timeout: float | None,
+    ) -> _Call[CacheLoaded, CacheLoaded]:
+        size, frame = _key_frame(keys)
+        ids = _as_id_array(block_ids)
+        req = CacheLoad(
+            id=self._codec.next_id(),
+            target=self._stamp(BufferSetRef(worker or self.worker)),
+            fingerprint=fingerprint,
+            key_size=size,
+            ids_dtype=_dtype_of(ids),
+            pin_id=pin_id,
+        )
+        return _Call(req, CacheLoaded, _reply, (frame, ids), timeout)
+
+    def _take_worker_events(
+        self, worker: WorkerRef | None, timeout: float | None
+    ) -> _Call[PeerEvents, list[PeerCompletion]]:
+        ref = worker or self.worker
+        req = TakeWorkerEvents(id=self._codec.next_id(), worker=ref, epoch=self.epochs.get(ref, 0))
+        return _Call(req, PeerEvents, _events, timeout=timeout)
+
+    # --- end prefix cache ---
 
     def _status(self, timeout: float | None) -> _Call[StatusReply, StatusReply]:
         return _Call(Status(id=self._codec.next_id()), StatusReply, _reply, timeout=timeout)

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     FixLayout,
@@ -154,6 +155,19 @@ class AccessControl:
             "forbidden", f"engine {engine_id!r} belongs to {owner}; {who.user} may not join it"
         )
 
+    def check_same_user(self, who: Principal, engine_id: str, what: str) -> None:
+        """Raise ``forbidden`` unless ``who`` is the user that registered ``engine_id`` (or admin).
+
+        For reads of another engine's *published* blocks on this node (a local pull): the
+        producer published them for a consumer, and the consumer is trusted as far as its user is.
+        """
+        owner = self._engine_user.get(engine_id)
+        if owner is None or who.admin or owner == who.user:
+            return
+        raise SidecarError(
+            "forbidden", f"{what}: engine {engine_id!r} belongs to {owner}, not to {who.user}"
+        )
+
     def check_owner(self, who: Principal, engine_id: str, what: str) -> None:
         """Raise ``forbidden`` unless ``who`` is bound to ``engine_id`` (or an admin)."""
         if not (who.admin or engine_id in who.engines or not self._exists(engine_id)):
@@ -180,8 +194,18 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
             acl.check_owner(who, req.owner.engine_id, "grant")
         case Pull():
             acl.check(who, req.engine_id, write=True, what="pull")
+            if not req.remote_endpoint:  # a local pull reads an engine of this node
+                acl.check_same_user(who, req.remote_engine_id, "local pull")
         case Publish():
             acl.check(who, req.engine_id, write=False, what="publish")
+        # prefix cache: a namespace is its user's (kvsidecar/daemon/cache.py), so a lookup is
+        # anyone's; a store reads the worker's blocks, a load writes them.
+        case CacheLookup():
+            return
+        case CacheStore():
+            acl.check(who, req.source.worker.engine_id, write=False, what="cache_store")
+        case CacheLoad():
+            acl.check(who, req.target.worker.engine_id, write=True, what="cache_load")
         case TakePeerEvents():
             if req.engine_id:
                 acl.check_owner(who, req.engine_id, "take_peer_events")

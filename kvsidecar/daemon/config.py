@@ -227,6 +227,20 @@ SETTINGS: tuple[Setting, ...] = (
         "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
         "for it on its own).",
     ),
+    # --- prefix cache (kvsidecar/daemon/cache.py) ---
+    Setting(
+        "cache_bytes",
+        int,
+        256 << 20,
+        "Host-pool bytes the node's shared prefix cache may hold, all namespaces together "
+        "(taken from the pool as engines store; 0 disables the cache).",
+    ),
+    Setting(
+        "cache_pin_s",
+        float,
+        30.0,
+        "Longest a lookup's pin keeps blocks from eviction before the engine loads them.",
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""
 
@@ -307,6 +321,9 @@ class Config:
     max_moves_per_worker: int = 256
     max_moves_total: int = 4096
     checksum: bool = False
+    # --- prefix cache ---
+    cache_bytes: int = 256 << 20
+    cache_pin_s: float = 30.0
 
     def __post_init__(self) -> None:
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
@@ -370,6 +387,11 @@ class Config:
             )
         if self.max_moves_per_worker < 1 or self.max_moves_total < 1:
             raise ConfigError("max_moves_per_worker and max_moves_total must be >= 1")
+        # --- prefix cache ---
+        if self.cache_bytes < 0:
+            raise ConfigError("cache_bytes must be >= 0")
+        if not self.cache_pin_s > 0:
+            raise ConfigError("cache_pin_s must be > 0")
         try:
             _ = self.uids
         except ValueError:

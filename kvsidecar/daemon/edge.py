@@ -28,6 +28,7 @@ from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
 from kvsidecar.daemon.observability import Observability
 from kvsidecar.wire import zmqio
+from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     REQUEST_TAGS,
@@ -49,9 +50,18 @@ from kvsidecar.wire.protocol import (
 
 log = logging.getLogger("kvsidecar.daemon")
 
-DATA_FRAMES: dict[type, int] = {Move: 2, FixLayout: 1, HostFree: 1, Pull: 2, Publish: 1}
+DATA_FRAMES: dict[type, int] = {
+    Move: 2,
+    FixLayout: 1,
+    HostFree: 1,
+    Pull: 2,
+    Publish: 1,
+    CacheLookup: 1,
+    CacheStore: 2,
+    CacheLoad: 2,
+}
 """Raw frames each request carries after its header (others: none). Pull: (remote ids, local
-ids); Publish: the published ids."""
+ids); Publish: the published ids; cache lookup: the keys; cache store and load: (keys, ids)."""
 
 _Frames = list[zmq.Frame]
 _BURST = 64
@@ -71,10 +81,23 @@ class ReplyTo:
     client got.
     """
 
-    __slots__ = ("_claimed", "_command", "_daemon", "_ident", "_lock", "_sent", "_started")
+    __slots__ = (
+        "_claimed",
+        "_command",
+        "_daemon",
+        "_ident",
+        "_lock",
+        "_sent",
+        "_started",
+        "user",
+    )
 
-    def __init__(self, daemon: Edge, ident: bytes, command: str, started: float) -> None:
+    def __init__(
+        self, daemon: Edge, ident: bytes, command: str, started: float, user: str = ""
+    ) -> None:
         self._daemon, self._ident, self._command, self._started = daemon, ident, command, started
+        self.user = user
+        """The sender's transport user (``uid:<n>``, ``curve:<key>``, ``insecure``)."""
         self._lock = threading.Lock()
         self._claimed = False
         self._sent: Reply | None = None
@@ -237,9 +260,10 @@ class Edge:
             if self.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
             # security: forbidden before anything is done; these three are anyone's
+            principal = self._principal(ident, body[0])
             if not isinstance(request, Hello | Status | Heartbeat):
-                authorize(self.access, self._principal(ident, body[0]), request)
-            reply_to = ReplyTo(self, ident, command, started)
+                authorize(self.access, principal, request)
+            reply_to = ReplyTo(self, ident, command, started, principal.user)
             result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to)
             if isinstance(request, Register) and asyncio.iscoroutine(result):
                 result = self._bind_on_success(ident, body[0], result)
@@ -257,7 +281,7 @@ class Edge:
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
             self._replies.add(result)
-            if isinstance(request, Move | FixLayout):  # answered by `Commands._run_job`
+            if isinstance(request, Move | FixLayout | CacheStore | CacheLoad):  # by `_run_job`
                 result.add_done_callback(self._replies.discard)
                 return
 

@@ -215,7 +215,21 @@ def prepare_move(
     """
     src = registry.buffer_set(cmd.src)
     dst = registry.buffer_set(cmd.dst)
-    pair = _pair_plan(registry, src, dst, cmd.layers)
+    return move_job(registry, src, dst, src_ids, dst_ids, layers=cmd.layers, checksum=checksum)
+
+
+def move_job(
+    registry: Registry,
+    src: BufferSet,
+    dst: BufferSet,
+    src_ids: IdArray,
+    dst_ids: IdArray,
+    *,
+    layers: list[str] | None = None,
+    checksum: bool = False,
+) -> Job:
+    """Check a copy between two buffer sets (a worker's, or a cache namespace's); its job."""
+    pair = _pair_plan(registry, src, dst, layers)
     ratio = pair.ratio
     if src_ids.size != ratio * dst_ids.size:
         want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)

@@ -27,8 +27,16 @@ from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.observability import Observability
-from kvsidecar.daemon.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
-from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.daemon.registry import (
+    BufferSet,
+    Engine,
+    LayerBuffer,
+    Registry,
+    Worker,
+    check_epoch,
+    host_buffer_set,
+)
+from kvsidecar.memory.base import HandleError, MappedBuffer
 from kvsidecar.memory.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
@@ -46,7 +54,7 @@ from kvsidecar.wire.protocol import (
     Reply,
     Unregister,
 )
-from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, ShmRef, WorkerRef
+from kvsidecar.wire.types import CudaIpcRef, ShmRef, WorkerRef
 
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 
@@ -66,6 +74,7 @@ class Registration:
     _tasks: set[asyncio.Task[Any]]
     _jobs: dict[asyncio.Future[Any], frozenset[Hashable]]
     _epochs: itertools.count[int]
+    daemon_id: str
 
     def _hello(self, req: Hello) -> HelloReply:
         cfg = self.config
@@ -78,6 +87,8 @@ class Registration:
             max_message_bytes=cfg.max_message_bytes,
             max_ids_per_command=cfg.max_ids_per_command,
             metrics_port=self.observability.port,
+            peer_endpoint=cfg.peer_endpoint,
+            daemon_id=self.daemon_id,
         )
 
     def _heartbeat(self, req: Heartbeat) -> Ok:
@@ -239,23 +250,11 @@ class Registration:
         """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
         if self._pool is None:
             raise SidecarError("pool_exhausted", "the daemon runs without a host pool")
-        descs: list[tuple[str, BufferDescriptor, int]] = []
-        for spec in req.layers:
-            desc = msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks)
-            descs.append((spec.name, desc, layout.buffer_nbytes(desc)))
-        # 4 KiB-aligned layer starts: dtype views need aligned storage, pages help copies.
-        pitches = [-(-n // 4096) * 4096 for _, _, n in descs]
-        try:
-            extent = self._pool.reserve(sum(pitches))
-        except HandleError as exc:
-            raise SidecarError("pool_exhausted", str(exc)) from None
-        layers = {}
-        offset = 0
-        for (name, desc, nbytes), pitch in zip(descs, pitches, strict=True):
-            buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
-            layers[name] = LayerBuffer.map(name, desc, buf)
-            offset += pitch
-        return BufferSet((ref, "host"), layers, on_close=extent.close)
+        descs = [
+            (spec.name, msgspec.structs.replace(spec.descriptor, num_blocks=host_blocks))
+            for spec in req.layers
+        ]
+        return host_buffer_set(self._pool, (ref, "host"), descs)
 
     async def _unregister(self, req: Unregister) -> Reply:
         await self._release(req.worker, "unregistered")

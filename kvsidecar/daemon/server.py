@@ -53,7 +53,8 @@ from kvsidecar.daemon.auth import (
     control_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.commands import Commands
+from kvsidecar.daemon.cache import PrefixCache  # prefix cache
+from kvsidecar.daemon.cache_commands import CacheCommands
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
@@ -65,9 +66,11 @@ from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import Registry, check_epoch
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
+from kvsidecar.daemon.worker_events import WorkerEvents
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
+from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     Collect,
@@ -79,6 +82,7 @@ from kvsidecar.wire.protocol import (
     HostAlloc,
     HostFree,
     Move,
+    PeerEvents,
     Publish,
     Pull,
     Register,
@@ -94,7 +98,7 @@ from kvsidecar.wire.reports import PeerCompletion
 log = logging.getLogger("kvsidecar.daemon")
 
 
-class Daemon(Edge, Registration, Commands):
+class Daemon(Edge, Registration, CacheCommands):
     """One kvsidecar daemon. ``await startup()``; ``await shutdown()``; or `run` / `serve`.
 
     ``started`` is set once the sockets are bound and the pool is allocated (tests and the CLI
@@ -119,6 +123,8 @@ class Daemon(Edge, Registration, Commands):
         self._executor: CopyExecutor | None = None
         self.peer: PeerService | None = None
         """Node-to-node transfer (kvsidecar.peer); set during startup."""
+        self.daemon_id = ""
+        """This daemon's identity in hello replies (the peer service's); set during startup."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._decoder = msgspec.msgpack.Decoder(Request)
@@ -132,6 +138,11 @@ class Daemon(Edge, Registration, Commands):
         self.errors_total = 0
         # --- completions + metrics (issue 4: kvsidecar/completions.py, observability.py) ---
         self.completions = CompletionService()
+        # --- prefix cache and connectors (kvsidecar/daemon/cache.py, worker_events.py) ---
+        self.cache: PrefixCache | None = None
+        """The node's shared prefix cache; set during startup."""
+        self.worker_events = WorkerEvents(self.registry)
+        """Completion events per subscribed worker (``take_worker_events``)."""
         """Per-engine completion aggregation (the ``report`` and ``collect`` commands)."""
         self.observability = Observability(config)
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
@@ -229,10 +240,12 @@ class Daemon(Edge, Registration, Commands):
         self._sock = sock
         # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
         self.peer = PeerService(cfg, self.registry, self._executor)
+        self.daemon_id = self.peer.daemon_id
         await self.peer.start()
         # --- end peer ---
         # --- completions + metrics: peer outcomes feed the aggregation; endpoint bound last ---
         self.peer.on_completion = self._on_peer_completion
+        self.cache = PrefixCache(cfg, self.registry, self._pool, self.observability.cache_metrics)
         await self.observability.start(self, self.readiness)
         # security: plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport
         peer_plain = bool(cfg.peer_endpoint) and not cfg.curve_secret_key
@@ -304,6 +317,9 @@ class Daemon(Edge, Registration, Commands):
             # A copy still running after the drain is abandoned; its views keep its mapping alive.
             self._executor.shutdown(wait=not self.force_exit and self._executor.in_flight == 0)
             self._executor = None
+        if self.cache is not None:  # prefix cache: its namespaces are host-pool extents
+            self.cache.close()
+            self.cache = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -346,6 +362,17 @@ class Daemon(Edge, Registration, Commands):
                 return self._move(req, data, reply_to)
             case Grant():  # security
                 return self._grant(req), ()
+            # --- prefix cache and connectors (kvsidecar/daemon/cache_commands.py) ---
+            case CacheLookup():
+                return self._cache_lookup(req, data, reply_to.user), ()
+            case CacheStore():
+                return self._cache_store(req, data, reply_to, reply_to.user)
+            case CacheLoad():
+                return self._cache_load(req, data, reply_to, reply_to.user)
+            case TakeWorkerEvents():
+                check_epoch(self.registry.worker(req.worker), req.epoch)
+                return PeerEvents(id=req.id, events=self.worker_events.take(req.worker)), ()
+            # --- end prefix cache ---
             case FixLayout():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 job = prepare_fix(self.registry, req, ids)
@@ -402,6 +429,7 @@ class Daemon(Edge, Registration, Commands):
     def _on_peer_completion(self, event: PeerCompletion) -> None:
         # Counted by the aggregation, and still queued for ``take_peer_events`` (observers).
         self.completions.on_peer_event(event)
+        self.worker_events.on_peer_event(event)  # connectors that aggregate themselves
         if self.peer is not None:
             self.peer.completions.append(event)
 

@@ -46,6 +46,7 @@ from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.registry import Registry, Worker
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
+from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
 from kvsidecar.peer.messages import (
     PEER_PROTOCOL_VERSION,
     Notify,
@@ -92,6 +93,9 @@ class PeerService:
         self._transport: Transport | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._links: dict[str, PeerLink] = {}
+        # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
+        self._local_link = LocalLink(self)
+        self.planes[LOCAL_PLANE] = LocalPlane(self, registry, executor)
         self._tasks: list[asyncio.Task[Any]] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerRequest)
@@ -275,7 +279,12 @@ class PeerService:
     # ------------------------------------------------------------------ links
 
     def link(self, endpoint: str) -> PeerLink:
-        """Return the link to the daemon at ``endpoint``; connect on first use or after a drop."""
+        """Return the link to the daemon at ``endpoint``; connect on first use or after a drop.
+
+        ``endpoint`` "" is this daemon itself (`kvsidecar.peer.local.LocalLink`).
+        """
+        if not endpoint:
+            return self._local_link
         link = self._links.get(endpoint)
         if link is None or link.closed:
             assert self._ctx is not None

@@ -15,6 +15,17 @@ from typing import Literal
 
 import msgspec
 
+from kvsidecar.wire.bases import ReplyBase as _Reply
+from kvsidecar.wire.bases import RequestBase as _Request
+from kvsidecar.wire.cache import (  # prefix cache and connectors
+    CacheHits,
+    CacheLoad,
+    CacheLoaded,
+    CacheLookup,
+    CacheStore,
+    CacheStored,
+    TakeWorkerEvents,
+)
 from kvsidecar.wire.errors import ErrorCode
 from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import (
@@ -39,12 +50,6 @@ PROTOCOL_VERSION = 1
 # shape, ``[header, *data]`` with a msgpack-encoded `Reply`. The ROUTER's routing-id frame is
 # added and stripped by ZeroMQ and is not part of this schema.
 # ---------------------------------------------------------------------------------------------
-
-
-class _Request(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
-    """Base of every request: the client-chosen request id echoed in the reply."""
-
-    id: int
 
 
 class Hello(_Request, tag="hello", frozen=True):
@@ -285,6 +290,10 @@ Request = (
     | Report
     | Collect  # completion aggregation
     | Grant  # security
+    | CacheLookup
+    | CacheStore
+    | CacheLoad
+    | TakeWorkerEvents  # prefix cache and connectors
 )
 """Every request a client may send."""
 
@@ -292,12 +301,6 @@ REQUEST_TAGS: frozenset[str] = frozenset(
     str(t.__struct_config__.tag) for t in typing.get_args(Request)
 )
 """The ``type`` values of `Request`."""
-
-
-class _Reply(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
-    """Base of every reply: the id of the request it answers (0 if that was unreadable)."""
-
-    id: int
 
 
 class HelloReply(_Reply, tag="hello_reply", frozen=True):
@@ -311,6 +314,12 @@ class HelloReply(_Reply, tag="hello_reply", frozen=True):
     max_ids_per_command: int
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
+    peer_endpoint: str = ""
+    """Where other daemons pull this node's published blocks (`Pull.remote_endpoint`); "" when
+    the daemon has no peer endpoint."""
+    daemon_id: str = ""
+    """This daemon's identity (changes on restart): two engines that see the same id share a
+    daemon, and a pull between them is a local one (`Pull` with ``remote_endpoint`` "")."""
 
 
 class Registered(_Reply, tag="registered", frozen=True):
@@ -450,6 +459,9 @@ Reply = (
     | PeerEvents  # peer
     | Reported
     | Collected  # completion aggregation
+    | CacheHits
+    | CacheStored
+    | CacheLoaded  # prefix cache
 )
 """Every reply the daemon sends."""
 
