@@ -299,12 +299,19 @@ class AsyncSidecarClient(_AsyncTransport):
         block_ids: Ids,
         *,
         not_after: float = 0.0,
+        capacity_bytes: int = 0,
         worker: WorkerRef | None = None,
         timeout: float | None = None,
     ) -> CacheStored:
         """Store blocks ``block_ids`` under ``keys`` in the worker's namespace (`CacheStore`)."""
         call = self._cache_store(
-            fingerprint, keys, block_ids, worker=worker, not_after=not_after, timeout=timeout
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            not_after=not_after,
+            capacity_bytes=capacity_bytes,
+            timeout=timeout,
         )
         return await self._run(call)
 

@@ -404,6 +404,7 @@ class _Requests(_Base):
         *,
         worker: WorkerRef | None,
         not_after: float,
+        capacity_bytes: int = 0,
         timeout: float | None,
     ) -> _Call[CacheStored, CacheStored]:
         size, frame = _key_frame(keys)
@@ -415,6 +416,7 @@ class _Requests(_Base):
             key_size=size,
             ids_dtype=_dtype_of(ids),
             not_after=not_after,
+            capacity_bytes=capacity_bytes,
         )
         return _Call(req, CacheStored, _reply, (frame, ids), timeout)
 

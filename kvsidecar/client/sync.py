@@ -329,16 +329,24 @@ class SidecarClient(_BlockingTransport):
         block_ids: Ids,
         *,
         not_after: float = 0.0,
+        capacity_bytes: int = 0,
         worker: WorkerRef | None = None,
         timeout: float | None = None,
     ) -> Pending[CacheStored]:
         """Start storing blocks ``block_ids`` under ``keys`` (`CacheStore`); returns at once.
 
         ``not_after``: ``time.monotonic()`` after which the caller may overwrite the blocks;
-        a copy that ends later is thrown away.
+        a copy that ends later is thrown away. ``capacity_bytes``: the namespace's size if this
+        store creates it (0: the daemon's share).
         """
         call = self._cache_store(
-            fingerprint, keys, block_ids, worker=worker, not_after=not_after, timeout=timeout
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            not_after=not_after,
+            capacity_bytes=capacity_bytes,
+            timeout=timeout,
         )
         return self._submit(call)
 

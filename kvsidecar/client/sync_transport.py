@@ -33,6 +33,9 @@ SUBMIT_LOCK_WAIT_S = 0.05
 """How long a submit or poll waits for the socket while a reconnection holds it: an engine
 step is not held up by a daemon that is away (the submit fails with ``connection_lost``)."""
 
+PUMP_SLICE_S = 0.05
+"""Longest a wait for submitted calls holds the socket at one time (`_BlockingTransport._pump`)."""
+
 
 class Pending(Generic[T]):
     """A submitted call (`SidecarClient.submit_*`): poll with `done`, wait with `wait`/`result`.
@@ -196,32 +199,37 @@ class _BlockingTransport(_Requests):
             p._settle(None, [], make(p))
 
     def _pump(self, wait: float) -> None:
-        """Read replies for submitted calls for up to ``wait`` seconds; settle what ended."""
-        if not self._pending or not self._lock.acquire(timeout=max(wait, SUBMIT_LOCK_WAIT_S)):
+        """Read replies for submitted calls for up to ``wait`` seconds; settle what ended.
+
+        The socket is held in slices of at most `PUMP_SLICE_S`, so that the heartbeat thread
+        (which takes the lock to read the registered workers) is never starved by a long wait.
+        """
+        end = time.monotonic() + wait
+        while self._pending:
+            if not self._lock.acquire(timeout=SUBMIT_LOCK_WAIT_S):
+                return
+            try:
+                self._pump_slice(min(PUMP_SLICE_S, max(0.0, end - time.monotonic())))
+            finally:
+                self._lock.release()
+            if time.monotonic() >= end:
+                return
+
+    def _pump_slice(self, wait: float) -> None:
+        """One slice of `_pump`, under the lock: fail what ended, then read what arrives."""
+        if self._daemon_gone():
+            self._lost = True
+            self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
             return
-        try:
-            end = time.monotonic() + wait
-            while self._pending:
-                if self._daemon_gone():
-                    self._lost = True
-                    self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
-                    return
-                now = time.monotonic()
-                for p in [p for p in self._pending.values() if p.deadline <= now]:
-                    del self._pending[p.request_id]
-                    p._settle(None, [], self._timeout_error(p._call.req))
-                left = end - now
-                if not self._sock.poll(max(0, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
-                    if left <= 0:
-                        return
-                    continue
-                while self._sock.poll(0, zmq.POLLIN):
-                    reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
-                    self._route(reply, frames)
-                if time.monotonic() >= end:
-                    return
-        finally:
-            self._lock.release()
+        now = time.monotonic()
+        for p in [p for p in self._pending.values() if p.deadline <= now]:
+            del self._pending[p.request_id]
+            p._settle(None, [], self._timeout_error(p._call.req))
+        if not self._pending or not self._sock.poll(int(wait * 1000), zmq.POLLIN):
+            return
+        while self._sock.poll(0, zmq.POLLIN):
+            reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
+            self._route(reply, frames)
 
     # -- reliability: reconnect after a daemon restart
 

@@ -87,7 +87,7 @@ class Namespace:
     key: NamespaceKey
     buffers: BufferSet
     layers: dict[str, BufferDescriptor]
-    """Each layer's descriptor with ``num_blocks`` 0: what every user's layers must match."""
+    """Each layer's descriptor with ``num_blocks`` 1: what every user's layers must match."""
     index: CacheIndex
     block_bytes: int
     workers: set[WorkerRef] = dataclasses.field(default_factory=set)
@@ -110,7 +110,8 @@ class _Pin:
 
 
 def _shape_of(desc: BufferDescriptor) -> BufferDescriptor:
-    return msgspec.structs.replace(desc, num_blocks=0)
+    """Return a layer's descriptor with its block count set aside (1), as namespaces compare."""
+    return msgspec.structs.replace(desc, num_blocks=1)
 
 
 class PrefixCache:
@@ -198,7 +199,7 @@ class PrefixCache:
         return spaces
 
     def namespace_for(
-        self, owner: str, fingerprint: str, worker: Worker, *, create: bool
+        self, owner: str, fingerprint: str, worker: Worker, *, create: bool, capacity_bytes: int = 0
     ) -> Namespace | None:
         """Return the worker's namespace (made by a store if missing), checking its layers."""
         if not fingerprint or len(fingerprint) > 256:
@@ -207,7 +208,7 @@ class PrefixCache:
         layers = {n: _shape_of(lb.descriptor) for n, lb in worker.device.layers.items()}
         ns = self.namespaces.get(key)
         if ns is None and create:
-            ns = self._create(key, layers, worker.tp_size)
+            ns = self._create(key, layers, worker.tp_size, capacity_bytes)
         if ns is None:
             return None
         if ns.layers != layers:
@@ -221,16 +222,20 @@ class PrefixCache:
         return ns
 
     def _create(
-        self, key: NamespaceKey, layers: dict[str, BufferDescriptor], tp_size: int
+        self, key: NamespaceKey, layers: dict[str, BufferDescriptor], tp_size: int, asked: int
     ) -> Namespace:
         if self.pool is None or self.config.cache_bytes <= 0:
             raise SidecarError(
                 "pool_exhausted", "the prefix cache is off (cache_bytes = 0 or no host pool)"
             )
         block_bytes = sum(layout.block_bytes(d) for d in layers.values())
-        share = max(self.config.cache_bytes // max(tp_size, 1), block_bytes)
+        if asked < 0:
+            raise SidecarError("invalid_message", f"capacity_bytes {asked} < 0")
+        share = asked or self.config.cache_bytes // max(tp_size, 1)
+        share = max(share, block_bytes + 4096 * len(layers))
         self._make_room(share)
-        budget = min(share, self.config.cache_bytes - self.state().capacity_bytes)
+        left = self.config.cache_bytes - self.state().capacity_bytes
+        budget = min(share, left, self.pool.free_bytes)  # the pool: mirrors use it too
         # Each layer starts on a 4 KiB boundary (`host_buffer_set`): keep room for the padding.
         blocks = (budget - 4096 * len(layers)) // block_bytes
         if blocks < 1:

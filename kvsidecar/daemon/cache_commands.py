@@ -121,7 +121,9 @@ class CacheCommands(Commands):
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
         worker = worker_of(self.registry, req.source.worker, req.source.epoch, req.source.medium)
         cache.sweep_pins(time.monotonic())
-        ns = cache.namespace_for(owner, req.fingerprint, worker, create=True)
+        ns = cache.namespace_for(
+            owner, req.fingerprint, worker, create=True, capacity_bytes=req.capacity_bytes
+        )
         assert ns is not None
         res = ns.index.reserve(keys)
         cache.metrics.evicted(res.evicted)

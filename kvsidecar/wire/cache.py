@@ -43,6 +43,9 @@ class CacheStore(_Request, tag="cache_store", frozen=True):
     key_size: int = 32
     ids_dtype: IdsDtype = "int64"
     not_after: float = 0.0
+    capacity_bytes: int = 0
+    """Size of the namespace if this store creates it (per rank); 0: ``cache_bytes`` divided by
+    the engine's TP size. Capped by what ``cache_bytes`` has left."""
 
 
 class CacheLoad(_Request, tag="cache_load", frozen=True):
