@@ -141,16 +141,31 @@ class LineChild:
 
     exit_line = "exit"
 
-    def __init__(self, module: str, spec: dict[str, Any], *, name: str = "") -> None:
+    def __init__(
+        self,
+        module: str,
+        spec: dict[str, Any],
+        *,
+        name: str = "",
+        python: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+        stderr: Any = None,
+    ) -> None:
+        """``python``: another interpreter (its own venv); ``env``: added variables. With
+        ``python`` the child leads a process group of its own, and `stop` ends the whole group
+        (such children start processes of their own: vLLM does)."""
         self.spec = spec
         self.name = name or module
+        self._group = python is not None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"tests.helpers.{module}", json.dumps(spec)],
+            [str(python or sys.executable), "-m", f"tests.helpers.{module}", json.dumps(spec)],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
+            start_new_session=self._group,
         )
 
     def line(self, timeout: float = 30.0) -> str:
@@ -187,6 +202,15 @@ class LineChild:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(5)
+        if self._group:  # what it started and left behind
+            self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's whole process group (a child started with ``python``)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
 
     def _close_pipes(self) -> None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from kvsidecar.daemon.cache import Namespace, PrefixCache, slot_ids, split_keys, worker_of
 from kvsidecar.daemon.commands import Commands, ReplySink
 from kvsidecar.daemon.jobs import Job, move_job
@@ -26,12 +28,13 @@ from kvsidecar.wire.cache import (
     CacheLoad,
     CacheLoaded,
     CacheLookup,
+    CacheNamespaceInfo,
     CacheStore,
     CacheStored,
 )
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Moved, Reply
+from kvsidecar.wire.protocol import Moved, Reply, Status, StatusReply
 
 
 class _AfterBookkeeping:
@@ -87,6 +90,25 @@ class CacheCommands(Commands):
 
     # Owned and set by `Daemon`.
     cache: PrefixCache | None
+
+    def _status(self, req: Status) -> StatusReply:
+        """Answer ``status``, with the prefix cache's namespaces."""
+        reply = super()._status(req)
+        if self.cache is None:
+            return reply
+        spaces = [
+            CacheNamespaceInfo(
+                owner=ns.key[0],
+                fingerprint=ns.key[1],
+                tp_rank=ns.key[2],
+                capacity_blocks=ns.index.capacity,
+                ready_blocks=ns.index.ready,
+                pinned_blocks=ns.index.pinned,
+                block_bytes=ns.block_bytes,
+            )
+            for ns in self.cache.namespaces.values()
+        ]
+        return msgspec.structs.replace(reply, cache_namespaces=spaces)
 
     def _cache_service(self) -> PrefixCache:
         if self.cache is None:

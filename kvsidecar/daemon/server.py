@@ -35,7 +35,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Coroutine, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.jobs import prepare_fix
+from kvsidecar.daemon.metrics import MoveKind
 from kvsidecar.daemon.metrics_server import Readiness
 from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
@@ -85,6 +86,7 @@ from kvsidecar.wire.protocol import (
     PeerEvents,
     Publish,
     Pull,
+    Pulled,
     Register,
     Reply,
     Report,
@@ -381,7 +383,7 @@ class Daemon(Edge, Registration, CacheCommands):
             case Pull():
                 remote = self._ids(data[0], req.ids_dtype, "remote block")
                 local = self._ids(data[1], req.ids_dtype, "local block")
-                return self._peer_service().pull(req, remote, local)
+                return self._counted_pull(req, self._peer_service().pull(req, remote, local))
             case Publish():
                 ids = self._ids(data[0], req.ids_dtype, "block")
                 return self._peer_service().publish(req, ids), ()
@@ -425,6 +427,14 @@ class Daemon(Edge, Registration, CacheCommands):
             pool_allocated=self._pool is not None,
             draining=self.draining,
         )
+
+    async def _counted_pull(self, req: Pull, work: Coroutine[Any, Any, Reply]) -> Reply:
+        """Run a pull; count the bytes it brought as a move (``local`` when on this node)."""
+        reply = await work
+        if isinstance(reply, Pulled) and reply.nbytes:
+            kind: MoveKind = "peer_recv" if req.remote_endpoint else "local"
+            self.observability.move_done(kind, req.engine_id, reply.nbytes, reply.seconds)
+        return reply
 
     def _on_peer_completion(self, event: PeerCompletion) -> None:
         # Counted by the aggregation, and still queued for ``take_peer_events`` (observers).

@@ -9,6 +9,8 @@ as id frames (`kvsidecar.wire.framing`). Schema evolution as in `kvsidecar.wire.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvsidecar.wire.bases import ReplyBase as _Reply
 from kvsidecar.wire.bases import RequestBase as _Request
 from kvsidecar.wire.types import BufferSetRef, IdsDtype, WorkerRef
@@ -103,3 +105,15 @@ class CacheLoaded(_Reply, tag="cache_loaded", frozen=True):
     nbytes: int
     seconds: float
     missing_block_ids: list[int] = []
+
+
+class CacheNamespaceInfo(msgspec.Struct, frozen=True):
+    """One prefix-cache namespace as status reports it."""
+
+    owner: str
+    fingerprint: str
+    tp_rank: int
+    capacity_blocks: int
+    ready_blocks: int
+    pinned_blocks: int
+    block_bytes: int

@@ -22,6 +22,7 @@ from kvsidecar.wire.cache import (  # prefix cache and connectors
     CacheLoad,
     CacheLoaded,
     CacheLookup,
+    CacheNamespaceInfo,
     CacheStore,
     CacheStored,
     TakeWorkerEvents,
@@ -382,6 +383,8 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     draining: bool = False
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
+    cache_namespaces: list[CacheNamespaceInfo] = []
+    """The prefix cache's namespaces (`kvsidecar.daemon.cache`)."""
 
 
 class Error(_Reply, tag="error", frozen=True):

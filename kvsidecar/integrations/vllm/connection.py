@@ -20,7 +20,8 @@ from collections.abc import Callable
 from kvsidecar.client import SidecarClient, SidecarError
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 
-log = logging.getLogger("kvsidecar.vllm")
+# A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
+log = logging.getLogger("vllm.kvsidecar")
 
 
 class DaemonConnection:

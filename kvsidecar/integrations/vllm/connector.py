@@ -37,7 +37,8 @@ from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.integrations.vllm.worker import WorkerSide
 
-log = logging.getLogger("kvsidecar.vllm")
+# A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
+log = logging.getLogger("vllm.kvsidecar")
 
 T = TypeVar("T")
 

@@ -34,7 +34,8 @@ from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 
-log = logging.getLogger("kvsidecar.vllm")
+# A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
+log = logging.getLogger("vllm.kvsidecar")
 
 
 class RequestView(Protocol):

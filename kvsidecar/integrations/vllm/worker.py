@@ -36,7 +36,8 @@ from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.wire.cache import CacheLoaded, CacheStored
 from kvsidecar.wire.protocol import Pulled
 
-log = logging.getLogger("kvsidecar.vllm")
+# A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
+log = logging.getLogger("vllm.kvsidecar")
 
 IDLE_WAIT_S = 0.005
 """In a step that computes nothing, how long to wait for a pull before handing back to vLLM
