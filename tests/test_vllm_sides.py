@@ -114,11 +114,14 @@ def test_stores_cover_each_full_block_once_and_skip_what_the_engine_had() -> Non
     assert side.lookup(req, num_computed_tokens=4) == (0, False)  # no daemon: a miss
     side.after_alloc(req, [10, 11, 12, 13], 0)
     plan = side.build([Scheduled("r", 4, 9, None)], [])
-    assert [(s.keys, s.block_ids) for s in plan.stores] == [(hashes[1:3], [11, 12])]
+    assert [(s.keys, s.block_ids, s.request_id) for s in plan.stores] == [
+        (hashes[1:3], [11, 12], "r")
+    ]
     req.block_hashes = hashes[:4]  # a generated token filled block 3
     plan = side.build([Scheduled("r", 13, 3, [14])], [])
     assert [(s.keys, s.block_ids) for s in plan.stores] == [(hashes[3:4], [13])]
-    assert side.build([Scheduled("r", 16, 1, None)], []).stores == []
+    last = side.build([Scheduled("r", 16, 1, None)], ["p"], ["f"])
+    assert last.stores == [] and last.freed == ["p", "f"]
     assert side.request_finished(
         req, [10, 11, 12, 13, 14], num_computed_tokens=16, capped=True
     ) == (
@@ -145,8 +148,12 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
-def worker(daemon: DaemonProcess, name: str) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    settings = ConnectorSettings(endpoint=daemon.config.endpoint, load_timeout_s=30.0)
+def worker(
+    daemon: DaemonProcess, name: str, store_wait_s: float = 5.0
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    settings = ConnectorSettings(
+        endpoint=daemon.config.endpoint, load_timeout_s=30.0, store_wait_s=store_wait_s
+    )
     side = WorkerSide(settings, engine_id=name, tp_rank=0, tp_size=1, model_hash="mh")
     storage = torch.zeros(2 * 16 * 2 * 32 * 64, dtype=torch.bfloat16)
     caches = {f"layer{i}": storage[i * 65536 : (i + 1) * 65536].view(16, 2, 32, 64) for i in (0, 1)}
@@ -163,8 +170,8 @@ def test_a_stored_block_loads_into_another_worker_and_missing_ones_are_load_erro
     b, b_caches = worker(daemon, "b")
     try:
         keys = [b"\x01" * 32, b"\x02" * 32]
-        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [3, 4])]))
-        a.fence()  # waits for the store (the next forward would overwrite the blocks)
+        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [3, 4], "r")]))
+        a.fence(["r"])  # r was freed: the fence waits for its store before the next forward
         b.start_loads(StepPlan(1, "fp", loads=[LoadSpec("r", [keys[1], b"\x09" * 32], [7, 8])]))
         assert b.take_load_errors() == {8}  # the unknown key; block 7 holds a's block 4
         for name in a_caches:
@@ -174,13 +181,45 @@ def test_a_stored_block_loads_into_another_worker_and_missing_ones_are_load_erro
         b.close()
 
 
+def test_the_fence_waits_only_for_stores_of_freed_blocks(daemon: DaemonProcess) -> None:
+    """A running request's full blocks never change: only freed ones hold up the next forward."""
+    a, _ = worker(daemon, "a", store_wait_s=1.0)
+    k1, k2 = b"\x11" * 32, b"\x12" * 32
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # no store can finish now
+        try:
+            a.store(StepPlan(1, "fp", stores=[StoreSpec([k1], [2], "running")]))
+            a.store(StepPlan(2, "fp", stores=[StoreSpec([k2], [3], "finished")]))
+            started = time.monotonic()
+            a.fence(["someone-else"])
+            assert time.monotonic() - started < 0.3  # nothing of theirs was freed
+            a.fence(["finished"])
+            waited = time.monotonic() - started
+            assert 0.5 < waited < 3  # up to the store's not_after (store_wait_s), then abandoned
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            deadline = time.monotonic() + 5
+            while c.status().in_flight_moves and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Both copies ended after their not_after: neither block was published.
+            assert c.cache_lookup("fp", [k1]).hits == 0
+            assert c.cache_lookup("fp", [k2]).hits == 0
+            # The control: the same store on time is published.
+            a.store(StepPlan(3, "fp", stores=[StoreSpec([k1], [2], "finished")]))
+            a.fence(["finished"])
+            assert c.cache_lookup("fp", [k1]).hits == 1
+    finally:
+        a.close()
+
+
 def test_a_daemon_that_dies_under_a_load_turns_it_into_load_errors(daemon: DaemonProcess) -> None:
     """The load is in flight (the daemon stopped) when the daemon is killed: bounded, reported."""
     a, _ = worker(daemon, "a")
     try:
         keys = [b"\x05" * 32]
-        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [2])]))
-        a.fence()
+        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [2], "r")]))
+        a.fence(["r"])
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         killer = _kill_later(daemon, 0.5)
         started = time.monotonic()

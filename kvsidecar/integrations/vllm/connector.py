@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,16 +60,26 @@ class SidecarHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
 
 def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Make a hook log any exception and return ``default()`` instead of raising into vLLM."""
+    """Make a hook log any exception and return ``default()`` instead of raising into vLLM.
+
+    It also adds the hook's time to its connector's ``timings`` (``stats_file``).
+    """
 
     def wrap(hook: Callable[..., T]) -> Callable[..., T]:
+        name = hook.__name__
+
         @functools.wraps(hook)
-        def guarded(*args: Any, **kwargs: Any) -> T:
+        def guarded(connector: KVSidecarConnector, *args: Any, **kwargs: Any) -> T:
+            started = time.perf_counter()
             try:
-                return hook(*args, **kwargs)
+                return hook(connector, *args, **kwargs)
             except Exception:
-                log.exception("kvsidecar: %s failed; serving without the daemon", hook.__name__)
+                log.exception("kvsidecar: %s failed; serving without the daemon", name)
                 return default()
+            finally:
+                entry = connector.timings.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - started
 
         return guarded
 
@@ -155,6 +167,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
             prefix = False
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self.timings: dict[str, list[Any]] = {}
+        """Per hook: calls and seconds spent in it (written to ``stats_file`` at shutdown)."""
         engine_id = str(ktc.engine_id)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
@@ -201,9 +215,10 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @_guarded(lambda: None)
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Before every forward: the fence of the previous step's stores."""
-        if self._worker is not None:
-            self._worker.fence()
+        """Before every forward: the fence of stores whose blocks vLLM freed."""
+        meta = kv_connector_metadata
+        if self._worker is not None and isinstance(meta, SidecarMetadata):
+            self._worker.fence(meta.plan.freed)
 
     @_guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -240,10 +255,17 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return set() if self._worker is None else self._worker.take_load_errors()
 
     def shutdown(self) -> None:
-        """Leave the daemon."""
+        """Leave the daemon; append this process's hook timings to ``stats_file`` if set."""
         for side in (self._worker, self._scheduler):
             if side is not None:
                 side.close()
+        if self._settings.stats_file:
+            role = "worker" if self._worker is not None else "scheduler"
+            record = {"role": role, "pid": os.getpid(), "hooks": self.timings}
+            if self._worker is not None:
+                record["counters"] = self._worker.counters
+            with open(self._settings.stats_file, "a") as out:
+                out.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ scheduler
 
@@ -284,7 +306,10 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     resumed=rid in cached.resumed_req_ids,
                 )
             )
-        return SidecarMetadata(self._scheduler.build(scheduled, list(so.preempted_req_ids or ())))
+        plan = self._scheduler.build(
+            scheduled, list(so.preempted_req_ids or ()), list(so.finished_req_ids or ())
+        )
+        return SidecarMetadata(plan)
 
     @_guarded(_let_go)
     def request_finished(

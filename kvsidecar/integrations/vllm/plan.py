@@ -23,10 +23,11 @@ class LoadSpec:
 
 @dataclasses.dataclass
 class StoreSpec:
-    """Full blocks this step computes: store them in the prefix cache once it has run."""
+    """Full blocks of a request that this step computes: store them once the step has run."""
 
     keys: list[bytes]
     block_ids: list[int]
+    request_id: str = ""
 
 
 @dataclasses.dataclass
@@ -57,3 +58,6 @@ class StepPlan:
     """Requests published this step: their blocks are held until ``finished_sending``."""
     idle: bool = False
     """No tokens are computed this step (the engine only waits for transfers)."""
+    freed: list[str] = dataclasses.field(default_factory=list)
+    """Requests whose blocks vLLM freed since the last step (finished, aborted, preempted): this
+    step's forward may write into them, so their pending stores must be done first."""

@@ -235,13 +235,20 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ steps
 
-    def build(self, scheduled: Sequence[Scheduled], preempted: Sequence[str]) -> StepPlan:
-        """Answer ``build_connector_meta``: this step's plan (stores of the blocks it fills)."""
+    def build(
+        self, scheduled: Sequence[Scheduled], preempted: Sequence[str], finished: Sequence[str] = ()
+    ) -> StepPlan:
+        """Answer ``build_connector_meta``: this step's plan (stores of the blocks it fills).
+
+        ``preempted`` and ``finished`` (vLLM's ``preempted_req_ids`` and ``finished_req_ids``)
+        lost their blocks since the last step: the workers' fence waits for their stores.
+        """
         plan, self._next = (
             self._next,
             StepPlan(step=self._next.step + 1, fingerprint=self.fingerprint),
         )
         plan.idle = not any(s.num_scheduled_tokens for s in scheduled)
+        plan.freed = [*preempted, *finished]
         for rid in preempted:  # their blocks are gone; re-admission starts over
             self._tracked.pop(rid, None)
         bs = self.block_size
@@ -258,12 +265,9 @@ class SchedulerSide:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             full = min(done // bs, len(hashes), len(tracked.block_ids))
             if full > tracked.stored:
-                plan.stores.append(
-                    StoreSpec(
-                        list(hashes[tracked.stored : full]),
-                        tracked.block_ids[tracked.stored : full],
-                    )
-                )
+                keys = list(hashes[tracked.stored : full])
+                ids = tracked.block_ids[tracked.stored : full]
+                plan.stores.append(StoreSpec(keys, ids, s.request_id))
                 tracked.stored = full
         return plan
 

@@ -47,6 +47,9 @@ class ConnectorSettings:
     """How long a prefill engine's published blocks wait for their consumer; 0: the daemon's."""
     pull_timeout_s: float = 0.0
     """Bound on a decode engine's pull; 0: the daemon's ``peer_pull_timeout_s``."""
+    stats_file: str = ""
+    """Where each vLLM process appends, at shutdown, one JSON line: the calls and seconds of each
+    connector hook (and a worker's counters). "" writes nothing."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -5,10 +5,12 @@ memory in place; GPU: by CUDA IPC), then each step carries out the scheduler's
 `kvsidecar.integrations.vllm.plan.StepPlan` without ever blocking a forward pass on the daemon
 longer than the copies it needs:
 
-- **before the forward** (vLLM's ``handle_preemptions``), the *fence*: the stores submitted after
-  the previous forward must have copied their blocks before this forward may overwrite them. A
-  store not done by its ``not_after`` is abandoned: the daemon throws a later copy away, so a
-  block that changed under it is never published;
+- **before the forward** (vLLM's ``handle_preemptions``), the *fence*: a full block never
+  changes while its request holds it, but once vLLM frees it (the request finished, was aborted
+  or preempted) the next forward may write it; so the stores of requests that vLLM freed since
+  the last step must have copied their blocks first. Other stores go on while the engine
+  computes. A store not done by its ``not_after`` is abandoned: the daemon throws a later copy
+  away, so a block that changed under it is never published;
 - **loads** (``start_load_kv``): the prefix cache's blocks, submitted and waited for (this
   step's forward reads them); pulls of a disaggregated prefill, submitted and left running;
 - **stores** (``wait_for_save``): this step's full blocks, submitted without waiting;
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -65,7 +67,8 @@ class WorkerSide:
         self.conn: DaemonConnection | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._reconnects = -1
-        self._stores: list[Pending[CacheStored]] = []
+        self._stores: list[tuple[Pending[CacheStored], set[str]]] = []
+        """Stores in flight and the requests whose blocks each one reads."""
         self._pulls: list[tuple[list[PullSpec], Pending[Pulled] | None]] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
@@ -130,21 +133,32 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ step hooks
 
-    def fence(self) -> None:
-        """Before a forward: let the previous step's stores finish reading (see the module doc)."""
-        pending, self._stores = self._stores, []
-        for store in pending:
+    def fence(self, freed: Collection[str]) -> None:
+        """Before a forward: finish the stores of the ``freed`` requests (see the module doc)."""
+        still = []
+        gone = set(freed)
+        for store, requests in self._stores:
+            if store.done():
+                self._count_store(store)
+                continue
             left = store.deadline - time.monotonic()
-            if not store.wait(max(0.0, min(left, self.settings.store_wait_s))):
+            if left <= 0:
                 continue  # abandoned: its copy, if it ever ends, is thrown away
-            try:
-                self.counters["stored_blocks"] += store.result().stored
-            except SidecarError as exc:
-                log.debug("store failed: %s", exc)
+            if requests & gone:
+                if store.wait(min(left, self.settings.store_wait_s)):
+                    self._count_store(store)
+                continue  # abandoned likewise if it is not done by its deadline
+            still.append((store, requests))
+        self._stores = still
+
+    def _count_store(self, store: Pending[CacheStored]) -> None:
+        try:
+            self.counters["stored_blocks"] += store.result().stored
+        except SidecarError as exc:
+            log.debug("store failed: %s", exc)
 
     def start_loads(self, plan: StepPlan) -> None:
         """Submit the pulls, then load the prefix cache's blocks and wait for them."""
-        self.fence()
         client = self._client()
         self._submit_pulls(client, plan.pulls)
         loads: list[tuple[list[int], Pending[CacheLoaded] | None]] = []
@@ -188,17 +202,17 @@ class WorkerSide:
         keys = [k for spec in plan.stores for k in spec.keys]
         block_ids = [b for spec in plan.stores for b in spec.block_ids]
         not_after = time.monotonic() + self.settings.store_wait_s
+        requests = {spec.request_id for spec in plan.stores}
         try:
-            self._stores.append(
-                client.submit_cache_store(
-                    plan.fingerprint,
-                    keys,
-                    block_ids,
-                    not_after=not_after,
-                    capacity_bytes=self.settings.cache_bytes,
-                    timeout=self.settings.store_wait_s,
-                )
+            store = client.submit_cache_store(
+                plan.fingerprint,
+                keys,
+                block_ids,
+                not_after=not_after,
+                capacity_bytes=self.settings.cache_bytes,
+                timeout=self.settings.store_wait_s,
             )
+            self._stores.append((store, requests))
         except SidecarError as exc:
             log.debug("store not sent: %s", exc)
 
