@@ -135,6 +135,8 @@ class WorkerSide:
 
     def fence(self, freed: Collection[str]) -> None:
         """Before a forward: finish the stores of the ``freed`` requests (see the module doc)."""
+        if not self._stores:
+            return
         still = []
         gone = set(freed)
         for store, requests in self._stores:
@@ -159,6 +161,8 @@ class WorkerSide:
 
     def start_loads(self, plan: StepPlan) -> None:
         """Submit the pulls, then load the prefix cache's blocks and wait for them."""
+        if not plan.loads and not plan.pulls:
+            return  # most steps: nothing to ask the daemon
         client = self._client()
         self._submit_pulls(client, plan.pulls)
         loads: list[tuple[list[int], Pending[CacheLoaded] | None]] = []
