@@ -21,6 +21,7 @@ Each figure is the median of ``--repeat`` prompts; the JSON has every sample and
 
     .venv/bin/python benchmarks/bench_vllm.py [--sizes 1024 2048] [--repeat 5] [--steps 64]
         [--json FILE]
+    .venv/bin/python benchmarks/bench_vllm.py --sizes --repeat 8   # decode steps only
 """
 
 from __future__ import annotations
@@ -228,7 +229,14 @@ def hook_seconds_per_step(stats: Path) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="*",
+        default=[1024, 2048],
+        help="prompt lengths of the TTFT figures; none: only the decode steps (then the "
+        "connector's own time per step is that of requests with no hit alone)",
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", metavar="FILE")
@@ -255,7 +263,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(json.dumps(MODEL))
-    spec = {"model": str(tmp / "model"), "max_len": max(*args.sizes, 256) + args.steps + 64}
+    spec = {"model": str(tmp / "model"), "max_len": max([*args.sizes, 256]) + args.steps + 64}
     load_before = os.getloadavg()
     with daemon(host_pool_bytes=1 << 30, cache_bytes=768 << 20) as (endpoint, _):
         base = Engine(spec, tmp / "engine-base.log")
