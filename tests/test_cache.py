@@ -11,14 +11,19 @@ import signal
 import time
 from collections.abc import Iterator
 
+import msgspec
+import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.client import SidecarClient, SidecarError
+from kvsidecar.client import BufferSetRef, SidecarClient, SidecarError, WorkerRef
 from kvsidecar.daemon.cache_index import CacheIndex
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.cache import CacheHits, CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents
+from kvsidecar.wire.protocol import Error, Reply, Request
 from tests.harness import DaemonProcess, daemon_process, make_config, scrape
 
 pytestmark = pytest.mark.timeout(120)
@@ -250,3 +255,78 @@ def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
             eng.close()
     finally:
         d.stop()
+
+
+# ------------------------------------------------------------- the wire: round trips, bad input
+
+cache_requests = st.one_of(
+    st.builds(
+        CacheLookup,
+        id=st.integers(0, 2**63 - 1),
+        fingerprint=st.text(max_size=40),
+        tp_size=st.integers(1, 64),
+        key_size=st.integers(1, 64),
+        pin_s=st.floats(0, 100),
+    ),
+    st.builds(
+        CacheStore,
+        id=st.integers(0, 2**63 - 1),
+        source=st.builds(BufferSetRef, st.builds(WorkerRef, st.text(min_size=1, max_size=8))),
+        fingerprint=st.text(max_size=40),
+        not_after=st.floats(0, 1e9),
+        capacity_bytes=st.integers(0, 2**40),
+    ),
+    st.builds(
+        CacheLoad,
+        id=st.integers(0, 2**63 - 1),
+        target=st.builds(BufferSetRef, st.builds(WorkerRef, st.text(min_size=1, max_size=8))),
+        fingerprint=st.text(max_size=40),
+        pin_id=st.integers(0, 2**40),
+    ),
+    st.builds(
+        TakeWorkerEvents,
+        id=st.integers(0, 2**63 - 1),
+        worker=st.builds(WorkerRef, st.text(min_size=1, max_size=8)),
+    ),
+)
+
+
+@given(cache_requests)
+def test_cache_messages_round_trip(req: Request) -> None:
+    assert msgspec.msgpack.Decoder(Request).decode(msgspec.msgpack.encode(req)) == req
+
+
+def test_bad_cache_requests_get_typed_errors_and_the_daemon_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.config.endpoint)
+    decoder = msgspec.msgpack.Decoder(Reply)
+
+    def ask(req: Request, *frames: bytes) -> Reply:
+        sock.send_multipart([msgspec.msgpack.encode(req), *frames])
+        assert sock.poll(5000, zmq.POLLIN)
+        return decoder.decode(sock.recv_multipart()[0])
+
+    try:
+        cases = [
+            (CacheLookup(id=1, fingerprint="f"), [b"x" * 33], "bad_frame"),
+            (CacheLookup(id=2, fingerprint="f", key_size=0), [b""], "invalid_message"),
+            (CacheLookup(id=3, fingerprint="f", tp_size=0), [b"x" * 32], "invalid_message"),
+            (CacheLookup(id=4, fingerprint="f"), [], "bad_frame"),
+            (
+                CacheStore(id=5, source=BufferSetRef(WorkerRef("nobody")), fingerprint="f"),
+                [b"x" * 32, np.zeros(1, np.int64).tobytes()],
+                "unknown_engine",
+            ),
+        ]
+        for req, frames, code in cases:
+            reply = ask(req, *frames)
+            assert isinstance(reply, Error) and reply.code == code, (req, reply)
+        hits = ask(CacheLookup(id=9, fingerprint="f"), b"x" * 64)
+        assert isinstance(hits, CacheHits) and hits.hits == 0
+    finally:
+        sock.close()
+        ctx.term()
