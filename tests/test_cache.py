@@ -330,3 +330,24 @@ def test_bad_cache_requests_get_typed_errors_and_the_daemon_serves_on(
     finally:
         sock.close()
         ctx.term()
+
+
+def test_an_idle_namespace_gives_its_room_to_a_new_one() -> None:
+    """Namespaces outlive their engines, until a new one needs the room and nobody uses them."""
+    room = 24 * BLOCK_BYTES + 2 * 4096
+    with daemon_process(make_config(host_pool_bytes=8 << 20, cache_bytes=room + room // 2)) as d:
+        old = Engine(d.config.endpoint, "old", 1)
+        old.client.submit_cache_store("fp-old", [key(1)], [1], capacity_bytes=room).result()
+        with SidecarClient(d.config.endpoint, heartbeat=False) as c:
+            # A restarted engine would find the block: the namespace stays after its engine left.
+            old.close()
+            assert c.cache_lookup("fp-old", [key(1)]).hits == 1
+            new = Engine(d.config.endpoint, "new", 2)
+            try:
+                # Not room for both: fp-old, whose engine left, gives its room to fp-new.
+                new.client.submit_cache_store("fp-new", [key(2)], [2], capacity_bytes=room).result()
+                assert c.cache_lookup("fp-old", [key(1)]).hits == 0  # dropped for the room
+                assert [n.fingerprint for n in c.status().cache_namespaces] == ["fp-new"]
+                assert c.cache_lookup("fp-new", [key(2)]).hits == 1
+            finally:
+                new.close()
