@@ -7,6 +7,7 @@ plain indexing; the index is checked against a model written here (a dict and a 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -255,6 +256,7 @@ def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
             eng.close()
     finally:
         d.stop()
+        shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------- the wire: round trips, bad input

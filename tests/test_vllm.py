@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import time
@@ -161,6 +162,7 @@ class Rig:
             engine.stop()
         for d in (self.d1, self.d2):
             d.stop()
+            shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
