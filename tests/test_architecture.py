@@ -19,7 +19,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "core": {"daemon", "client", "peer", "memory", "bench", "integrations", "face"},
     "wire": {"core", "daemon", "client", "peer", "memory", "bench", "integrations", "face"},
     "memory": {"daemon", "client", "peer", "bench", "integrations", "face"},
-    "client": {"daemon", "peer", "bench", "face"},
+    "client": {"daemon", "peer", "bench", "integrations", "face"},
     "peer": {
         "client",
         "bench",
@@ -32,6 +32,8 @@ FORBIDDEN: dict[str, set[str]] = {
         "daemon.registration",
     },
     "daemon": {"client", "bench", "integrations", "face"},
+    # engine integrations build on the client (and its wire and core types) only
+    "integrations": {"daemon", "peer", "memory", "bench", "face"},
 }
 """Rooms are the sub-packages; ``face`` is the top-level modules (cli, demo, status)."""
 
@@ -132,6 +134,31 @@ def test_room_imports_only_what_it_may(room: str) -> None:
             if bad and _room(target) != room:
                 broken.append(f"{module} imports {target}")
     assert not broken, "\n".join(sorted(broken))
+
+
+def test_nothing_imports_the_integrations() -> None:
+    broken = [
+        f"{module} imports {target}"
+        for module, (imports, _) in GRAPH.items()
+        for target in imports
+        if _room(target) == "integrations" and _room(module) != "integrations"
+    ]
+    assert not broken, "\n".join(sorted(broken))
+
+
+def test_only_the_vllm_connector_imports_vllm() -> None:
+    """vLLM lives in its own venv: one module of the package may import it, lazily loaded."""
+    importers = set()
+    for module, _path, tree in _modules():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                importers.add(module)
+    assert importers == {"kvsidecar.integrations.vllm.connector"}
 
 
 def test_only_the_cli_imports_bench() -> None:

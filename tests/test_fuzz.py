@@ -37,16 +37,13 @@ from kvsidecar.wire.protocol import (
     HostAlloc,
     HostFree,
     Move,
-    Publish,
-    Pull,
-    PullItem,
     Register,
     Reply,
     Report,
     Status,
-    TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.pulls import Publish, Pull, PullItem, TakePeerEvents
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, LayoutSpec, ShmRef
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
 from tests.support.ids import id_frame

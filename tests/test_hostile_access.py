@@ -36,15 +36,12 @@ from kvsidecar.wire.protocol import (
     HostFree,
     Move,
     Ok,
-    Publish,
-    Pull,
-    PullItem,
     Registered,
     Report,
     Request,
-    TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.pulls import Publish, Pull, PullItem, TakePeerEvents
 from kvsidecar.wire.types import BufferSetRef, LayoutSpec, WorkerRef
 from tests.helpers.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 from tests.support.children import LineChild

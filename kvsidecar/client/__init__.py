@@ -34,7 +34,7 @@ from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers
 from kvsidecar.client.requests import BatchMove
-from kvsidecar.client.sync import SidecarClient
+from kvsidecar.client.sync import Pending, SidecarClient
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
@@ -44,6 +44,7 @@ __all__ = [
     "BatchMove",
     "BufferSetRef",
     "Ids",
+    "Pending",
     "SidecarClient",
     "SidecarError",
     "WorkerRef",

@@ -19,17 +19,18 @@ from kvsidecar.client.common import _Registration
 from kvsidecar.client.requests import BatchMove
 from kvsidecar.core import layout
 from kvsidecar.wire.batch import MovedBatch
+from kvsidecar.wire.cache import CacheHits, CacheLoaded, CacheStored
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
     Fixed,
     HelloReply,
     Moved,
-    Pulled,
     Registered,
     Reported,
     StatusReply,
 )
+from kvsidecar.wire.pulls import Pulled
 from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder, WorkerRef
 
@@ -296,6 +297,67 @@ class AsyncSidecarClient(_AsyncTransport):
         return await self._run(self._collect(engine_id, step, timeout_s, timeout))
 
     # --- end completion aggregation ---
+
+    # --- prefix cache and connectors (docs/vllm.md) ---
+
+    async def cache_lookup(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        *,
+        tp_size: int = 1,
+        pin_s: float = 0.0,
+        timeout: float | None = None,
+    ) -> CacheHits:
+        """Count the leading ``keys`` every rank of ``fingerprint`` holds (`CacheLookup`)."""
+        return await self._run(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+
+    async def cache_store(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        not_after: float = 0.0,
+        capacity_bytes: int = 0,
+        worker: WorkerRef | None = None,
+        timeout: float | None = None,
+    ) -> CacheStored:
+        """Store blocks ``block_ids`` under ``keys`` in the worker's namespace (`CacheStore`)."""
+        call = self._cache_store(
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            not_after=not_after,
+            capacity_bytes=capacity_bytes,
+            timeout=timeout,
+        )
+        return await self._run(call)
+
+    async def cache_load(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        pin_id: int = 0,
+        worker: WorkerRef | None = None,
+        timeout: float | None = None,
+    ) -> CacheLoaded:
+        """Load the blocks of ``keys`` into ``block_ids`` (`CacheLoad`); see its missing ids."""
+        call = self._cache_load(
+            fingerprint, keys, block_ids, worker=worker, pin_id=pin_id, timeout=timeout
+        )
+        return await self._run(call)
+
+    async def take_worker_events(
+        self, worker: WorkerRef | None = None, *, timeout: float | None = None
+    ) -> list[PeerCompletion]:
+        """Take the completion events credited to a worker (default: this client's; subscribes)."""
+        return await self._run(self._take_worker_events(worker, timeout))
+
+    # --- end prefix cache ---
 
     async def status(self, *, timeout: float | None = None) -> StatusReply:
         """Return the daemon's state; see `SidecarClient.status`."""

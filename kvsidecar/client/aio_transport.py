@@ -22,8 +22,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvsidecar.client.calls import _Call
 from kvsidecar.client.codec import R, T, _check
-from kvsidecar.client.requests import _Call, _Requests
+from kvsidecar.client.requests import _Requests
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError

@@ -110,6 +110,17 @@ class _Base:
         """One `Sync` per GPU (and kind), made once: its events live as long as the client."""
 
     @property
+    def available(self) -> bool:
+        """Whether the daemon is reachable as far as this client knows (no loss seen yet).
+
+        False from the moment the daemon's death shows (its fd channel closed) until a
+        reconnection, made by the next call or the heartbeat, succeeds.
+        """
+        if not self._lost and self._daemon_gone():
+            self._lost = True
+        return not self._lost
+
+    @property
     def worker(self) -> WorkerRef:
         """The (first) worker this client registered."""
         if not self.workers:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal
+from typing import Literal
 
 import numpy as np
 
-from kvsidecar.client.codec import Ids, R, T, _as_id_array, _dtype_of
-from kvsidecar.client.common import _Base, _Registration
+from kvsidecar.client.cache_requests import _CacheRequests
+from kvsidecar.client.calls import _Call, _events, _nothing, _reply
+from kvsidecar.client.codec import Ids, _as_id_array, _dtype_of
+from kvsidecar.client.common import _Registration
 from kvsidecar.client.export import export_layers
 from kvsidecar.memory.cuda_sync import Sync
 from kvsidecar.memory.fd_client import MAX_FDS, FdChannelClient
@@ -41,22 +43,15 @@ from kvsidecar.wire.protocol import (
     Move,
     Moved,
     Ok,
-    PeerEvents,
-    Publish,
-    Pull,
-    Pulled,
-    PullItem,
     Register,
     Registered,
-    Reply,
     Report,
     Reported,
-    Request,
     Status,
     StatusReply,
-    TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.pulls import PeerEvents, Publish, Pull, Pulled, PullItem, TakePeerEvents
 from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import BufferSetRef, LayoutSpec, Medium, MemoryOrder, WorkerRef
 
@@ -73,21 +68,6 @@ class BatchMove:
     request_ids: Sequence[str] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class _Call(Generic[R, T]):
-    """One command ready to send: ``finish`` turns the checked reply into the method's result."""
-
-    req: Request
-    expected: type[R]
-    finish: Callable[[R, list[memoryview]], T]
-    data: Sequence[Any] = ()
-    timeout: float | None = None
-
-
-def _reply(reply: R, frames: list[memoryview]) -> R:
-    return reply
-
-
 def _then(sync: Sync) -> Callable[[Moved, list[memoryview]], Moved]:
     """Make a move's finish that has the caller's stream wait for the daemon's copy."""
 
@@ -96,14 +76,6 @@ def _then(sync: Sync) -> Callable[[Moved, list[memoryview]], Moved]:
         return reply
 
     return finish
-
-
-def _nothing(reply: Reply, frames: list[memoryview]) -> None:
-    return None
-
-
-def _events(reply: PeerEvents, frames: list[memoryview]) -> list[PeerCompletion]:
-    return reply.events
 
 
 def _alloc_ids(reply: HostAllocated, data: list[memoryview]) -> IdArray:
@@ -133,7 +105,7 @@ def _pull_frames(
     return items, frames
 
 
-class _Requests(_Base):
+class _Requests(_CacheRequests):
     """One `_Call` builder per command, on the state both clients share."""
 
     def _hello(self, timeout: float | None = None) -> _Call[HelloReply, HelloReply]:

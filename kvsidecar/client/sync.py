@@ -16,24 +16,25 @@ import torch
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.common import _Registration
 from kvsidecar.client.requests import BatchMove
-from kvsidecar.client.sync_transport import _BlockingTransport
+from kvsidecar.client.sync_transport import Pending, _BlockingTransport
 from kvsidecar.core import layout
 from kvsidecar.wire.batch import MovedBatch
+from kvsidecar.wire.cache import CacheHits, CacheLoaded, CacheStored
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
     Fixed,
     HelloReply,
     Moved,
-    Pulled,
     Registered,
     Reported,
     StatusReply,
 )
+from kvsidecar.wire.pulls import Pulled
 from kvsidecar.wire.reports import CacheEvents, PeerCompletion, TransferStats
 from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder, WorkerRef
 
-__all__ = ["SidecarClient"]
+__all__ = ["Pending", "SidecarClient"]
 
 
 class SidecarClient(_BlockingTransport):
@@ -322,6 +323,107 @@ class SidecarClient(_BlockingTransport):
         return self._run(self._collect(engine_id, step, timeout_s, timeout))
 
     # --- end completion aggregation ---
+
+    # --- prefix cache and connectors (docs/vllm.md) ---
+
+    def cache_lookup(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        *,
+        tp_size: int = 1,
+        pin_s: float = 0.0,
+        timeout: float | None = None,
+    ) -> CacheHits:
+        """Count the leading ``keys`` every rank of namespace ``fingerprint`` holds (`CacheLookup`).
+
+        ``pin_s`` > 0 also pins them until loaded with the returned ``pin_id`` (or ``pin_s``).
+        """
+        return self._run(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+
+    def submit_cache_store(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        not_after: float = 0.0,
+        capacity_bytes: int = 0,
+        worker: WorkerRef | None = None,
+        timeout: float | None = None,
+    ) -> Pending[CacheStored]:
+        """Start storing blocks ``block_ids`` under ``keys`` (`CacheStore`); returns at once.
+
+        ``not_after``: ``time.monotonic()`` after which the caller may overwrite the blocks;
+        a copy that ends later is thrown away. ``capacity_bytes``: the namespace's size if this
+        store creates it (0: the daemon's share).
+        """
+        call = self._cache_store(
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            not_after=not_after,
+            capacity_bytes=capacity_bytes,
+            timeout=timeout,
+        )
+        return self._submit(call)
+
+    def submit_cache_load(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        block_ids: Ids,
+        *,
+        pin_id: int = 0,
+        worker: WorkerRef | None = None,
+        timeout: float | None = None,
+    ) -> Pending[CacheLoaded]:
+        """Start loading the blocks of ``keys`` into ``block_ids`` (`CacheLoad`); returns at once.
+
+        The result's ``missing_block_ids`` were not loaded (not held): recompute them.
+        """
+        call = self._cache_load(
+            fingerprint, keys, block_ids, worker=worker, pin_id=pin_id, timeout=timeout
+        )
+        return self._submit(call)
+
+    def submit_pull(
+        self,
+        engine_id: str,
+        remote_endpoint: str,
+        remote_engine_id: str,
+        requests: Mapping[str, tuple[Ids, Ids]],
+        *,
+        tp_rank: int | None = None,
+        timeout_s: float = 0.0,
+        remote_request_ids: Mapping[str, str] | None = None,
+        plane: Literal["", "zmq", "nixl"] = "",
+        timeout: float | None = None,
+    ) -> Pending[Pulled]:
+        """Start a `pull` and return at once (``remote_endpoint`` "": from this node's daemon)."""
+        call = self._pull(
+            engine_id,
+            remote_endpoint,
+            remote_engine_id,
+            requests,
+            tp_rank=tp_rank,
+            pp_rank=0,
+            medium="device",
+            timeout_s=timeout_s,
+            remote_request_ids=remote_request_ids,
+            plane=plane,
+            timeout=timeout,
+        )
+        return self._submit(call)
+
+    def take_worker_events(
+        self, worker: WorkerRef | None = None, *, timeout: float | None = None
+    ) -> list[PeerCompletion]:
+        """Take the completion events credited to a worker (default: this client's; subscribes)."""
+        return self._run(self._take_worker_events(worker, timeout))
+
+    # --- end prefix cache ---
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """Return the daemon's engines, workers, buffers, host pool, in-flight moves and totals."""

@@ -4,6 +4,11 @@ One DEALER socket, one call at a time: send, then poll the socket and the fd cha
 reply with the call's id comes (late replies to calls that timed out are dropped), the daemon's
 death shows, or the timeout passes. Reconnection after a daemon restart, and the heartbeat thread
 (its own socket).
+
+A call may also be *submitted* (`Pending`): sent at once, its reply collected later by polling,
+so that an engine worker starts a copy and carries on with its forward pass. Replies are routed
+by id to whichever call (waited for or submitted) they answer; a submitted call that outlives its
+timeout, or whose daemon goes away, settles with the same errors as a blocking one.
 """
 
 from __future__ import annotations
@@ -11,18 +16,81 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic
 
 import zmq
 
+from kvsidecar.client.calls import _Call
 from kvsidecar.client.codec import R, T, _check
-from kvsidecar.client.requests import _Call, _Requests
+from kvsidecar.client.requests import _Requests
 from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.protocol import Error, Request
+from kvsidecar.wire.protocol import Error, Reply, Request
 
 log = logging.getLogger("kvsidecar.client")
+
+SUBMIT_LOCK_WAIT_S = 0.05
+"""How long a submit or poll waits for the socket while a reconnection holds it: an engine
+step is not held up by a daemon that is away (the submit fails with ``connection_lost``)."""
+
+PUMP_SLICE_S = 0.05
+"""Longest a wait for submitted calls holds the socket at one time (`_BlockingTransport._pump`)."""
+
+
+class Pending(Generic[T]):
+    """A submitted call (`SidecarClient.submit_*`): poll with `done`, wait with `wait`/`result`.
+
+    It settles once: with the reply's result, or with the `SidecarError` of a failed call
+    (``timeout`` past the call's timeout, ``connection_lost`` when the daemon went away).
+    """
+
+    def __init__(self, transport: _BlockingTransport, call: _Call[Any, T], deadline: float) -> None:
+        self._transport = transport
+        self._call = call
+        self.deadline = deadline
+        """``time.monotonic()`` past which the call fails with ``timeout``."""
+        self.request_id = call.req.id
+        self._settled = False
+        self._value: T | None = None
+        self._error: SidecarError | None = None
+
+    def done(self) -> bool:
+        """Whether the call has settled, reading any reply that arrived (never blocks long)."""
+        if not self._settled:
+            self._transport._pump(0.0)
+        return self._settled
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the call to settle; return whether it did."""
+        end = time.monotonic() + max(0.0, timeout)
+        while not self._settled:
+            left = end - time.monotonic()
+            self._transport._pump(max(0.0, left))
+            if left <= 0:
+                break
+        return self._settled
+
+    def result(self) -> T:
+        """Return the call's result, waiting (at most until its deadline); raise its error."""
+        while not self._settled:
+            self._transport._pump(max(0.0, self.deadline - time.monotonic()) + 0.001)
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def _settle(
+        self, reply: Reply | None, frames: list[memoryview], error: SidecarError | None
+    ) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        if error is None and reply is not None:
+            try:
+                self._value = self._call.finish(_check(reply, self._call.expected), frames)
+            except SidecarError as exc:
+                error = exc
+        self._error = error
 
 
 class _BlockingTransport(_Requests):
@@ -47,6 +115,8 @@ class _BlockingTransport(_Requests):
         self._closed = False
         # One call at a time on the socket: the heartbeat thread reconnects through it too.
         self._lock = threading.RLock()
+        self._pending: dict[int, Pending[Any]] = {}
+        """Submitted calls not settled yet, by request id."""
         try:
             self.daemon = self._run(self._hello(None))
         except BaseException:
@@ -85,11 +155,82 @@ class _BlockingTransport(_Requests):
                 reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
                 if reply.id == req.id or (reply.id == 0 and isinstance(reply, Error)):
                     return _check(reply, expected), frames
-                # A late reply to a call that timed out: drop it.
+                self._route(reply, frames)  # a submitted call's, or a late one: dropped
 
     def _run(self, call: _Call[R, T]) -> T:
         reply, frames = self._call(call.req, call.expected, call.data, call.timeout)
         return call.finish(reply, frames)
+
+    # -- submitted calls (`Pending`)
+
+    def _submit(self, call: _Call[R, T]) -> Pending[T]:
+        """Send ``call`` now and return its `Pending`; never reconnects (the heartbeat does).
+
+        Raises `SidecarError` ``connection_lost`` at once when the daemon is known to be away
+        or a reconnection holds the socket.
+        """
+        if self._closed:
+            raise SidecarError("internal", "the client is closed")
+        if not self._lock.acquire(timeout=SUBMIT_LOCK_WAIT_S):
+            raise SidecarError("connection_lost", "the client is reconnecting to its daemon")
+        try:
+            if self._lost or self._daemon_gone():
+                self._lost = True
+                raise SidecarError("connection_lost", "the daemon went away; reconnecting")
+            timeout = self.timeout_s if call.timeout is None else call.timeout
+            pending = Pending(self, call, time.monotonic() + timeout)
+            self._pending[call.req.id] = pending
+            self._sock.send_multipart(
+                [self._codec.encoder.encode(call.req), *call.data], copy=False
+            )
+            return pending
+        finally:
+            self._lock.release()
+
+    def _route(self, reply: Reply, frames: list[memoryview]) -> None:
+        """Hand a reply to the submitted call it answers (a reply nobody waits for is dropped)."""
+        pending = self._pending.pop(reply.id, None)
+        if pending is not None:
+            pending._settle(reply, frames, None)
+
+    def _fail_pending(self, make: Callable[[Pending[Any]], SidecarError]) -> None:
+        """Settle every submitted call with the error ``make(pending)`` returns."""
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p._settle(None, [], make(p))
+
+    def _pump(self, wait: float) -> None:
+        """Read replies for submitted calls for up to ``wait`` seconds; settle what ended.
+
+        The socket is held in slices of at most `PUMP_SLICE_S`, so that the heartbeat thread
+        (which takes the lock to read the registered workers) is never starved by a long wait.
+        """
+        end = time.monotonic() + wait
+        while self._pending:
+            if not self._lock.acquire(timeout=SUBMIT_LOCK_WAIT_S):
+                return
+            try:
+                self._pump_slice(min(PUMP_SLICE_S, max(0.0, end - time.monotonic())))
+            finally:
+                self._lock.release()
+            if time.monotonic() >= end:
+                return
+
+    def _pump_slice(self, wait: float) -> None:
+        """One slice of `_pump`, under the lock: fail what ended, then read what arrives."""
+        if self._daemon_gone():
+            self._lost = True
+            self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
+            return
+        now = time.monotonic()
+        for p in [p for p in self._pending.values() if p.deadline <= now]:
+            del self._pending[p.request_id]
+            p._settle(None, [], self._timeout_error(p._call.req))
+        if not self._pending or not self._sock.poll(int(wait * 1000), zmq.POLLIN):
+            return
+        while self._sock.poll(0, zmq.POLLIN):
+            reply, frames = self._codec.decode(self._sock.recv_multipart(copy=False))
+            self._route(reply, frames)
 
     # -- reliability: reconnect after a daemon restart
 
@@ -110,6 +251,8 @@ class _BlockingTransport(_Requests):
         """
         with self._lock:
             backoff = self._start_reconnect(timeout)
+            # Submitted calls cannot be answered on the new socket: their outcome is unknown.
+            self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
             while True:
                 # A fresh socket: nothing queued for the dead daemon is sent to the new one.
                 self._sock.close(linger=0)

@@ -67,7 +67,9 @@ def fix_received(
     local bytes: NHD into NHD at any ratio, equal layouts at ratio 1, one head, or MLA.
 
     ``arrangement`` defaults by rank: 3 dims MLA, 4 ``split`` (also one half of a kv_first
-    tensor), 5 ``blocks_first``; pass ``"kv_first"`` for a ``(2, B, N, H, C)`` tensor.
+    tensor), 5 ``blocks_first``; pass ``"kv_first"`` for a ``(2, B, N, H, C)`` tensor and
+    ``"vllm_cpu"`` for vLLM's CPU cache ``(B, H, N, 2C)`` (memory orders do not apply to it: only a
+    block-size ratio needs a fix, see `_fix_vllm_cpu`).
     ``shape_order="HN"`` accepts vLLM 0.33's contiguous ``(B, H, N, C)`` HND tensor. Works on the
     raw bytes (an integer view), so float8 and bfloat16 caches fix like any other. The listed
     blocks are gathered once and scattered back once, the remap folded into the scatter; on CPU,
@@ -80,6 +82,9 @@ def fix_received(
     arrangement = _checked_arrangement(
         cache, arrangement, (remote_layout, local_layout), shape_order, block_size_ratio
     )
+    if arrangement == "vllm_cpu":
+        _fix_vllm_cpu(cache, block_ids, block_size_ratio)
+        return
     regions = _regions(cache, arrangement, local_layout, shape_order)
     if local_layout == "HND" and arrangement != "mla":
         _, _, num_heads, block_size, _ = regions.shape
@@ -235,3 +240,37 @@ def _cache_as_remote(
         dst = raw.view(num_blocks, nregions, num_heads, ratio, remote_n, -1)
         return dst.permute(0, 1, 3, 4, 2, 5)
     return raw.view(num_blocks, nregions, ratio, remote_n, num_heads, -1)
+
+
+def _fix_vllm_cpu(cache: torch.Tensor, block_ids: BlockIds, ratio: int) -> None:
+    """Turn ``ratio`` packed remote blocks into one block of vLLM's CPU cache, in place.
+
+    ``cache`` is ``(B, H, N, 2C)``: per block and head, K transposed ``(C, N)`` then V ``(N, C)``.
+    A raw copy of ``ratio`` remote blocks of ``n = N / ratio`` tokens leaves each local block as
+    ``ratio`` whole remote blocks in a row, ``(ratio, H, [K (C, n) | V (n, C)])``. Afterwards
+    head ``h`` holds K ``(C, N)`` whose columns ``j*n .. j*n + n - 1`` are remote block ``j``'s,
+    and V ``(N, C)`` likewise by rows. Ratio 1 needs nothing (the layouts are equal).
+    """
+    if not dense_from(cache, 1) or cache.shape[-1] % 2:
+        raise LayoutError(f"vllm_cpu cache {layout_hint(cache, 'dense (B, H, N, 2C)', 'HN')}")
+    num_blocks, heads, block_size, two_c = cache.shape
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1 or block_size % ratio:
+        raise LayoutError(
+            f"block_size_ratio {ratio} must be >= 1 and divide the local block size {block_size}"
+        )
+    index = _block_index(block_ids, num_blocks, cache.device)
+    if ratio == 1 or index.numel() == 0:
+        return
+    c, n = two_c // 2, block_size // ratio
+    raw = cache.view(_INT_OF_SIZE[cache.element_size()])
+    packed = raw.index_select(0, index)  # (k, H, N, 2C) holding (k, ratio, H, 2, n*C)
+    k = packed.shape[0]
+    src = packed.view(k, ratio, heads, 2, n * c)
+    out = torch.empty_like(packed).view(k, heads, 2, block_size * c)
+    # K: local (C, ratio, n) per head <- remote j's (C, n)
+    out[:, :, 0].view(k, heads, c, ratio, n).copy_(
+        src[:, :, :, 0].reshape(k, ratio, heads, c, n).permute(0, 2, 3, 1, 4)
+    )
+    # V: local (ratio, n, C) per head <- remote j's (n, C)
+    out[:, :, 1].view(k, heads, ratio, n * c).copy_(src[:, :, :, 1].permute(0, 2, 1, 3))
+    raw.index_copy_(0, index, out.view_as(packed))

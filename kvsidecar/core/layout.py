@@ -5,7 +5,9 @@ Vocabulary (the same as ``types.BufferDescriptor``):
 - ``B`` blocks, ``N`` tokens per block, ``H`` KV heads, ``C`` head size.
 - The *logical shape* is what the engine indexes: ``(2, B, N, H, C)`` (``kv_first``,
   FlashAttention), ``(B, 2, N, H, C)`` (``blocks_first``, FlashInfer), ``(B, N, H, C)`` (``split``,
-  one tensor for K and one for V) or ``(B, N, C)`` (``mla``).
+  one tensor for K and one for V) or ``(B, N, C)`` (``mla``). ``vllm_cpu`` is vLLM's CPU attention
+  cache, ``(B, H, N, 2C)``: per block and head, K stored transposed as ``(C, N)``, then V as
+  ``(N, C)``. Its K and V are interleaved head by head, so its one *region* is the whole block.
 - The *memory order* says how one block's K or V region sits in memory: NHD is ``(N, H, C)``,
   HND is ``(H, N, C)``. Blocks are always the slowest dim inside their region.
 - A *region* is one block's K part or V part (or its whole latent for MLA): ``block_len`` bytes.
@@ -57,9 +59,9 @@ __all__ = [
 ShapeOrder: TypeAlias = Literal["NH", "HN"]
 """Order in which a tensor's *shape* lists tokens (N) and heads (H); independent of memory order."""
 
-_ARRANGEMENTS: tuple[Arrangement, ...] = ("kv_first", "blocks_first", "split", "mla")
+_ARRANGEMENTS: tuple[Arrangement, ...] = ("kv_first", "blocks_first", "split", "mla", "vllm_cpu")
 _MEMORY_ORDERS: tuple[MemoryOrder, ...] = ("NHD", "HND")
-_RANK = {"kv_first": 5, "blocks_first": 5, "split": 4, "mla": 3}
+_RANK = {"kv_first": 5, "blocks_first": 5, "split": 4, "mla": 3, "vllm_cpu": 4}
 
 
 class LayoutError(ValueError):
@@ -87,7 +89,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_arrangement(arrangement: str) -> None:
-    """Raise `LayoutError` unless ``arrangement`` is one of the four KV arrangements."""
+    """Raise `LayoutError` unless ``arrangement`` is one of the KV arrangements."""
     if arrangement not in _RANK:
         raise LayoutError(f"unknown arrangement {arrangement!r}, expected one of {_ARRANGEMENTS}")
 
@@ -132,10 +134,13 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """Return the shape the engine indexes, tokens before heads.
 
     ``kv_first`` ``(2, B, N, H, C)``, ``blocks_first`` ``(B, 2, N, H, C)``, ``split``
-    ``(B, N, H, C)``, ``mla`` ``(B, N, C)``.
+    ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)``, the shape vLLM's CPU
+    backend allocates (its last dim packs K transposed and V, see the module doc).
     """
     _check_descriptor(desc)
     b, n, h, c = desc.num_blocks, desc.block_size, desc.num_heads, desc.head_size
+    if desc.arrangement == "vllm_cpu":
+        return (b, h, n, 2 * c)
     if desc.arrangement == "kv_first":
         return (2, b, n, h, c)
     if desc.arrangement == "blocks_first":
@@ -148,18 +153,23 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
 def memory_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """Return the shape in which the buffer's bytes are C-contiguous.
 
-    That is ``logical_shape`` with N and H swapped for HND (MLA has no heads, never swapped).
+    That is ``logical_shape`` with N and H swapped for HND (MLA has no heads, never swapped;
+    ``vllm_cpu``'s shape is its memory order already).
     """
     shape = logical_shape(desc)
-    if desc.memory_order == "HND" and desc.arrangement != "mla":
+    if desc.memory_order == "HND" and desc.arrangement not in ("mla", "vllm_cpu"):
         return (*shape[:-3], shape[-2], shape[-3], shape[-1])
     return shape
 
 
 def block_len(desc: BufferDescriptor) -> int:
-    """Bytes of one block's K region (or V region, or MLA latent): the reference's ``block_len``."""
+    """Bytes of one block's K region (or V region, or MLA latent): the reference's ``block_len``.
+
+    A ``vllm_cpu`` block interleaves K and V head by head: its one region is the whole block.
+    """
     itemsize = _check_descriptor(desc).itemsize
-    return desc.block_size * desc.num_heads * desc.head_size * itemsize
+    regions_per_block = 2 if desc.arrangement == "vllm_cpu" else 1
+    return regions_per_block * desc.block_size * desc.num_heads * desc.head_size * itemsize
 
 
 def block_bytes(desc: BufferDescriptor) -> int:
@@ -182,7 +192,7 @@ def to_memory_order(
     t: torch.Tensor, arrangement: Arrangement, memory_order: MemoryOrder, shape_order: ShapeOrder
 ) -> torch.Tensor:
     """Return a view of ``t`` whose dims follow memory order (``memory_shape``); no stride check."""
-    if arrangement == "mla":
+    if arrangement in ("mla", "vllm_cpu"):
         return t
     heads_first_in_memory = memory_order == "HND"
     heads_first_in_shape = shape_order == "HN"
@@ -249,6 +259,8 @@ def describe_tensor(
             raise LayoutError(f"mla tensor {layout_hint(t, 'contiguous', shape_order)}")
         b, n, c = t.shape
         return BufferDescriptor("mla", "NHD", _dtype_name(t.dtype), b, n, 1, c)
+    if arrangement == "vllm_cpu":
+        return _describe_vllm_cpu(t)
     if memory_order is None:
         # Prefer the order the shape suggests; with H == 1 or N == 1 both fit, with the same bytes.
         preferred: tuple[MemoryOrder, ...] = (
@@ -268,6 +280,17 @@ def describe_tensor(
     n, h = (shape[-3], shape[-2]) if shape_order == "NH" else (shape[-2], shape[-3])
     b = shape[1] if arrangement == "kv_first" else shape[0]
     return BufferDescriptor(arrangement, memory_order, _dtype_name(t.dtype), b, n, h, shape[-1])
+
+
+def _describe_vllm_cpu(t: torch.Tensor) -> BufferDescriptor:
+    """Describe vLLM's CPU cache tensor ``(B, H, N, 2C)``: dense, an even last dim (K and V)."""
+    b, h, n, c2 = t.shape
+    if c2 % 2:
+        raise LayoutError(f"vllm_cpu tensor needs an even last dim (K and V), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise LayoutError(f"vllm_cpu tensor {layout_hint(t, 'contiguous (B, H, N, 2C)', 'HN')}")
+    # HND by convention: heads are the outer dim inside a block, as in an HND region.
+    return BufferDescriptor("vllm_cpu", "HND", _dtype_name(t.dtype), b, n, h, c2 // 2)
 
 
 def view_buffer(
@@ -317,7 +340,7 @@ def block_views(cache_logical: torch.Tensor, desc: BufferDescriptor) -> list[tor
     orders: list[ShapeOrder] = []
     if tuple(cache_logical.shape) == logical:
         orders.append("NH")
-    if desc.arrangement != "mla" and tuple(cache_logical.shape) == swapped:
+    if desc.arrangement not in ("mla", "vllm_cpu") and tuple(cache_logical.shape) == swapped:
         orders.append("HN")
     if not orders:
         raise LayoutError(

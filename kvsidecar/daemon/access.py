@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvsidecar.wire.batch import MoveBatch
+from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     FixLayout,
@@ -45,14 +46,12 @@ from kvsidecar.wire.protocol import (
     HostAlloc,
     HostFree,
     Move,
-    Publish,
-    Pull,
     Register,
     Request,
     Status,
-    TakePeerEvents,
     Unregister,
 )
+from kvsidecar.wire.pulls import Publish, Pull, TakePeerEvents
 from kvsidecar.wire.types import WorkerRef
 
 if TYPE_CHECKING:
@@ -220,6 +219,29 @@ class AccessControl:
                 f"engine {engine_id!r} belongs to {engine.owner}; {who.user} may not join it",
             )
 
+    def same_user(self, who: Principal, engine_id: str) -> bool:
+        """Return whether ``who`` is the user that registered ``engine_id``.
+
+        Also True for an admin, and when there is no such engine (the command then fails with
+        its own precise error).
+        """
+        engine = self._lookup(engine_id)
+        return engine is None or who.admin or engine.owner == who.user
+
+    def check_same_user(self, who: Principal, engine_id: str, what: str) -> None:
+        """Raise ``forbidden`` unless ``who`` is the user that registered ``engine_id`` (or admin).
+
+        For reads of another engine's *published* blocks on this node (a local pull): the
+        producer published them for a consumer, and the consumer is trusted as far as its user is.
+        """
+        engine = self._lookup(engine_id)
+        if engine is None or self.same_user(who, engine_id):
+            return
+        raise SidecarError(
+            "forbidden",
+            f"{what}: engine {engine_id!r} belongs to {engine.owner}, not to {who.user}",
+        )
+
     def check_owner(self, who: Principal, engine_id: str, what: str) -> None:
         """Raise ``forbidden`` unless ``who`` is bound to ``engine_id`` (or an admin)."""
         engine = self.current(engine_id)
@@ -251,8 +273,18 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
             acl.check_owner(who, req.owner.engine_id, "grant")
         case Pull():
             acl.check(who, req.engine_id, write=True, what="pull")
+            if not req.remote_endpoint:  # a local pull reads an engine of this node
+                acl.check_same_user(who, req.remote_engine_id, "local pull")
         case Publish():
             acl.check(who, req.engine_id, write=False, what="publish")
+        # prefix cache: a namespace is its user's (kvsidecar/daemon/cache.py), so a lookup is
+        # anyone's; a store reads the worker's blocks, a load writes them.
+        case CacheLookup():
+            return
+        case CacheStore():
+            acl.check(who, req.source.worker.engine_id, write=False, what="cache_store")
+        case CacheLoad():
+            acl.check(who, req.target.worker.engine_id, write=True, what="cache_load")
         case TakePeerEvents():
             if req.engine_id:
                 acl.check_owner(who, req.engine_id, "take_peer_events")

@@ -119,8 +119,18 @@ class Config:
     max_connections_per_peer: int = 256
     fd_max_unclaimed: int = 4096
     fd_unclaimed_s: float = 30.0
+    # --- prefix cache ---
+    cache_bytes: int = 256 << 20
+    cache_pin_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self._fill_paths()
+        self._check_core()
+        self._check_peer_and_metrics()
+        self._check_security_and_limits()
+
+    def _fill_paths(self) -> None:
+        """Derive the empty paths from the runtime directory and check what Unix sockets allow."""
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
         object.__setattr__(self, "runtime_dir", runtime_dir)
         if not self.endpoint:
@@ -133,6 +143,8 @@ class Config:
         for name, path in (("endpoint", self.ipc_path), ("fd_socket", self.fd_socket)):
             if path is not None and len(path.encode()) > 100:
                 raise ConfigError(f"{name} path is too long for a Unix socket: {path!r}")
+
+    def _check_core(self) -> None:
         if self.host_pool_bytes < 0:
             raise ConfigError("host_pool_bytes must be >= 0")
         if self.copy_threads < 1:
@@ -148,6 +160,8 @@ class Config:
             raise ConfigError("max_ids_per_command must be >= 1")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
+
+    def _check_peer_and_metrics(self) -> None:
         # --- peer (node-to-node transfer) ---
         if self.peer_endpoint and not self.peer_endpoint.startswith("tcp://"):
             raise ConfigError(f"peer_endpoint must be tcp://host:port, got {self.peer_endpoint!r}")
@@ -171,6 +185,8 @@ class Config:
             )
         if not self.metrics_grace_s >= 0:
             raise ConfigError("metrics_grace_s must be >= 0")
+
+    def _check_security_and_limits(self) -> None:
         # --- reliability and security ---
         if self.endpoint.startswith("tcp://") and not (self.curve_secret_key or self.insecure):
             raise ConfigError(
@@ -194,6 +210,11 @@ class Config:
             _ = self.fd_limits
         except ValueError as exc:
             raise ConfigError(f"connection and fd limits: {exc}") from None
+        # --- prefix cache ---
+        if self.cache_bytes < 0:
+            raise ConfigError("cache_bytes must be >= 0")
+        if not self.cache_pin_s > 0:
+            raise ConfigError("cache_pin_s must be > 0")
         try:
             _ = self.uids
         except ValueError:

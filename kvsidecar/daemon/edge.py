@@ -30,6 +30,7 @@ from kvsidecar.daemon.observability import Observability
 from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.batch import MoveBatch
+from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
     REQUEST_TAGS,
@@ -42,13 +43,11 @@ from kvsidecar.wire.protocol import (
     HostAlloc,
     HostFree,
     Move,
-    Publish,
-    Pull,
     Reply,
     Request,
     Status,
-    TakePeerEvents,
 )
+from kvsidecar.wire.pulls import Publish, Pull, TakePeerEvents
 
 log = logging.getLogger("kvsidecar.daemon")
 
@@ -59,9 +58,13 @@ DATA_FRAMES: dict[type, int] = {
     Pull: 2,
     Publish: 1,
     MoveBatch: 2,
+    CacheLookup: 1,
+    CacheStore: 2,
+    CacheLoad: 2,
 }
 """Raw frames each request carries after its header (others: none). Pull: (remote ids, local
-ids); Publish: the published ids; MoveBatch: (every item's source ids, destination ids)."""
+ids); Publish: the published ids; MoveBatch: (every item's source ids, destination ids); cache
+lookup: the keys; cache store and load: (keys, ids)."""
 
 _Frames = list[zmq.Frame]
 _BURST = 64
@@ -96,10 +99,23 @@ class ReplyTo:
     client got.
     """
 
-    __slots__ = ("_claimed", "_command", "_daemon", "_ident", "_lock", "_sent", "_started")
+    __slots__ = (
+        "_claimed",
+        "_command",
+        "_daemon",
+        "_ident",
+        "_lock",
+        "_sent",
+        "_started",
+        "user",
+    )
 
-    def __init__(self, daemon: Edge, ident: bytes, command: str, started: float) -> None:
+    def __init__(
+        self, daemon: Edge, ident: bytes, command: str, started: float, user: str = ""
+    ) -> None:
         self._daemon, self._ident, self._command, self._started = daemon, ident, command, started
+        self.user = user
+        """The sender's transport user (``uid:<n>``, ``curve:<key>``, ``insecure``)."""
         self._lock = threading.Lock()
         self._claimed = False
         self._sent: Reply | None = None
@@ -302,7 +318,7 @@ class Edge:
             if not isinstance(request, Hello | Status | Heartbeat):
                 who = self._principal(ident, body[0])
                 authorize(self.access, who, request)
-            reply_to = ReplyTo(self, ident, command, started)
+            reply_to = ReplyTo(self, ident, command, started, who.user)
             result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to, who)
         except SidecarError as exc:
             rid = request_id or exc.request_id
@@ -318,7 +334,8 @@ class Edge:
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
             self._replies.add(result)
-            if isinstance(request, Move | FixLayout | MoveBatch):  # by `Commands._run_job`
+            # answered by `Commands._run_job`
+            if isinstance(request, Move | FixLayout | MoveBatch | CacheStore | CacheLoad):
                 result.add_done_callback(self._replies.discard)
                 return
 

@@ -127,6 +127,8 @@ def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
 
 
 def _needs_fix(src: BufferDescriptor, dst: BufferDescriptor, ratio: int) -> bool:
+    if src.arrangement == "vllm_cpu":
+        return ratio > 1  # K is stored transposed: packed blocks never read as one block
     if src.arrangement == "mla" or src.num_heads == 1:
         return False  # one head: token order is the only order, concatenation is already right
     return src.memory_order != dst.memory_order or (ratio > 1 and dst.memory_order == "HND")
@@ -227,20 +229,36 @@ def prepare_move(
     """
     src = registry.buffer_set(cmd.src)
     dst = registry.buffer_set(cmd.dst)
-    pair = _pair_plan(registry, src, dst, cmd.layers)
+    return move_job(
+        registry,
+        src,
+        dst,
+        src_ids,
+        dst_ids,
+        layers=cmd.layers,
+        checksum=checksum,
+        events=cmd.events,
+    )
+
+
+def move_job(
+    registry: Registry,
+    src: BufferSet,
+    dst: BufferSet,
+    src_ids: IdArray,
+    dst_ids: IdArray,
+    *,
+    layers: list[str] | None = None,
+    checksum: bool = False,
+    events: MoveEvents | None = None,
+) -> Job:
+    """Check a copy between two buffer sets (a worker's, or a cache namespace's); its job.
+
+    ``events``: the caller's CUDA events that order the copy (`Move.events`).
+    """
+    pair = _pair_plan(registry, src, dst, layers)
     ratio = pair.ratio
-    if src_ids.size != ratio * dst_ids.size:
-        want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)
-        raise SidecarError(
-            "length_mismatch", f"{src_ids.size} source ids for {want} destination ids"
-        )
-    _check_range(src_ids, src.num_blocks, "source")
-    _check_range(dst_ids, dst.num_blocks, "destination")
-    _check_unique(dst_ids, "destination", dst.num_blocks)
-    if src is dst and _overlap(src_ids, dst_ids):
-        raise SidecarError(
-            "invalid_message", "source and destination blocks overlap in the same buffer set"
-        )
+    _check_ids(src, dst, src_ids, dst_ids, ratio)
     fixes = pair.fixes
     verification = integrity.Verification() if checksum else None
     copy: Callable[[], int]
@@ -288,12 +306,34 @@ def prepare_move(
     return Job(
         reads={src.key: src_ids},
         writes={dst.key: dst_ids},
-        run=_on_copy_streams(run, pair.cuda_devices, cmd.events),
+        run=_on_copy_streams(run, pair.cuda_devices, events),
         blocks=int(dst_ids.size),
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
         verification=verification,
     )
+
+
+def _check_ids(
+    src: BufferSet, dst: BufferSet, src_ids: IdArray, dst_ids: IdArray, ratio: int
+) -> None:
+    """Raise unless the ids pair up and lie in range, with unique destinations.
+
+    ``ratio`` source ids per destination id; a move within one buffer set may read no block it
+    writes.
+    """
+    if src_ids.size != ratio * dst_ids.size:
+        want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)
+        raise SidecarError(
+            "length_mismatch", f"{src_ids.size} source ids for {want} destination ids"
+        )
+    _check_range(src_ids, src.num_blocks, "source")
+    _check_range(dst_ids, dst.num_blocks, "destination")
+    _check_unique(dst_ids, "destination", dst.num_blocks)
+    if src is dst and _overlap(src_ids, dst_ids):
+        raise SidecarError(
+            "invalid_message", "source and destination blocks overlap in the same buffer set"
+        )
 
 
 def _on_copy_streams(

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.metrics import DaemonMetrics, LayoutFixKind, MoveKind
+from kvsidecar.daemon.metrics_cache import CacheMetrics, CacheState
 from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
 from kvsidecar.daemon.metrics_state import StateProvider, StateSnapshot
 from kvsidecar.daemon.registry import Registry
@@ -65,6 +66,10 @@ class Observability:
         self.registry = CollectorRegistry()
         self.metrics = DaemonMetrics(self.registry)
         self.server: MetricsServer | None = None
+
+    def cache_metrics(self, state: Callable[[], CacheState]) -> CacheMetrics:
+        """Define the prefix cache's metrics on this registry, its gauges read from ``state``."""
+        return CacheMetrics(self.registry, state)
 
     async def start(self, state: StateProvider, ready: Callable[[], Readiness]) -> None:
         """Attach the state provider and bind the endpoint (none when ``metrics_port`` < 0)."""

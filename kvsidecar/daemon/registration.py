@@ -29,9 +29,17 @@ from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.observability import Observability
-from kvsidecar.daemon.registry import BufferSet, Engine, LayerBuffer, Registry, Worker, check_epoch
+from kvsidecar.daemon.registry import (
+    BufferSet,
+    Engine,
+    LayerBuffer,
+    Registry,
+    Worker,
+    check_epoch,
+    host_buffer_set,
+)
 from kvsidecar.memory import cuda_driver, open_handles
-from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.memory.base import HandleError, MappedBuffer
 from kvsidecar.memory.cuda_ipc import IpcBackend
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
@@ -73,6 +81,7 @@ class Registration:
     """What `_hello` announces; set at start-up from `daemon_capabilities`."""
     cuda_backend: IpcBackend | None = None
     """How CUDA IPC handles are opened (None: torch's); tests without a GPU set their own."""
+    daemon_id: str
 
     def _hello(self, req: Hello) -> HelloReply:
         cfg = self.config
@@ -86,6 +95,8 @@ class Registration:
             max_ids_per_command=cfg.max_ids_per_command,
             metrics_port=self.observability.port,
             capabilities=list(self.capabilities),
+            peer_endpoint=cfg.peer_endpoint,
+            daemon_id=self.daemon_id,
         )
 
     def _heartbeat(self, req: Heartbeat) -> Ok:
@@ -315,19 +326,8 @@ class Registration:
         """Reserve the worker's host mirror: per layer, its descriptor with ``host_blocks``."""
         self._check_mirror(req, host_blocks, user)  # again: others may have reserved meanwhile
         assert self._pool is not None
-        descs = _mirror_layers(req, host_blocks)
-        pitches = [pitch for _, _, _, pitch in descs]
-        try:
-            extent = self._pool.reserve(sum(pitches), owner=user)
-        except HandleError as exc:
-            raise SidecarError("pool_exhausted", str(exc)) from None
-        layers = {}
-        offset = 0
-        for name, desc, nbytes, pitch in descs:
-            buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
-            layers[name] = LayerBuffer.map(name, desc, buf)
-            offset += pitch
-        return BufferSet((ref, "host"), layers, on_close=extent.close)
+        descs = [(name, desc) for name, desc, _, _ in _mirror_layers(req, host_blocks)]
+        return host_buffer_set(self._pool, (ref, "host"), descs, owner=user)
 
     async def _unregister(self, req: Unregister) -> Reply:
         await self._release(req.worker, "unregistered")

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsidecar.core import layout
-from kvsidecar.memory.base import MappedBuffer
-from kvsidecar.memory.host_pool import BlockIdAllocator
+from kvsidecar.memory.base import HandleError, MappedBuffer, TensorBuffer
+from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import (
     BufferDescriptor,
@@ -72,9 +72,13 @@ class LayerBuffer:
 
 @dataclass(eq=False)
 class BufferSet:
-    """A worker's layers in one medium (its registered memory, or its host mirror)."""
+    """A worker's layers in one medium (its registered memory, or its host mirror).
 
-    key: tuple[WorkerRef, Medium]
+    A prefix-cache namespace (`kvsidecar.daemon.cache`) is a buffer set too, keyed by a name of
+    its own and the medium ``"cache"``.
+    """
+
+    key: tuple[WorkerRef, str]
     layers: dict[str, LayerBuffer]
     on_close: Callable[[], None] | None = None
 
@@ -97,6 +101,36 @@ class BufferSet:
         if self.on_close is not None:
             on_close, self.on_close = self.on_close, None
             on_close()
+
+
+def host_buffer_set(
+    pool: HostPool,
+    key: tuple[WorkerRef, str],
+    descs: list[tuple[str, BufferDescriptor]],
+    *,
+    owner: str = "",
+) -> BufferSet:
+    """Reserve a buffer set in the host pool: one dense layer buffer per ``(name, descriptor)``.
+
+    ``owner``: the user the pool counts the bytes against (its ``host_pool_user_bytes`` quota).
+
+    Raises `SidecarError` ``pool_exhausted`` when the pool has no room. Layers start on 4 KiB
+    boundaries (dtype views need aligned storage, pages help copies); the set gives the extent
+    back when it closes.
+    """
+    sizes = [layout.buffer_nbytes(d) for _, d in descs]
+    pitches = [-(-n // 4096) * 4096 for n in sizes]
+    try:
+        extent = pool.reserve(sum(pitches), owner=owner)
+    except HandleError as exc:
+        raise SidecarError("pool_exhausted", str(exc)) from None
+    layers = {}
+    offset = 0
+    for (name, desc), nbytes, pitch in zip(descs, sizes, pitches, strict=True):
+        buf = TensorBuffer(extent.flat[offset : offset + nbytes], "host_pool")
+        layers[name] = LayerBuffer.map(name, desc, buf)
+        offset += pitch
+    return BufferSet(key, layers, on_close=extent.close)
 
 
 @dataclass(eq=False)

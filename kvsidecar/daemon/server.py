@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl, Principal  # security
+from kvsidecar.daemon.access import AccessControl  # security
 from kvsidecar.daemon.admission import Admission  # reliability
 from kvsidecar.daemon.auth import (
     CONTROL_DOMAIN,
@@ -51,55 +51,38 @@ from kvsidecar.daemon.auth import (
     control_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.commands import Commands
+from kvsidecar.daemon.cache import PrefixCache  # prefix cache
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.connections import ConnectionCount
-from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
+from kvsidecar.daemon.dispatch import Dispatch
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.gpu import check_cuda
-from kvsidecar.daemon.jobs import prepare_fix
 from kvsidecar.daemon.metrics_server import Readiness
 from kvsidecar.daemon.metrics_state import StateSnapshot
 from kvsidecar.daemon.observability import Observability, readiness, snapshot
-from kvsidecar.daemon.registration import Registration, _check_version, daemon_capabilities
-from kvsidecar.daemon.registry import Registry, check_epoch
+from kvsidecar.daemon.registration import daemon_capabilities
+from kvsidecar.daemon.registry import Registry
 from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
+from kvsidecar.daemon.worker_events import WorkerEvents
 from kvsidecar.memory.fd_channel import FdChannelServer
 from kvsidecar.memory.fd_limits import raise_fd_limit
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire import zmqio
-from kvsidecar.wire.batch import MoveBatch
-from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import (
-    Collect,
     Envelope,
-    FixLayout,
-    Grant,
-    Heartbeat,
-    Hello,
-    HostAlloc,
-    HostFree,
-    Move,
-    Publish,
-    Pull,
-    Register,
     Reply,
-    Report,
     Request,
-    Status,
-    TakePeerEvents,
-    Unregister,
 )
 from kvsidecar.wire.reports import PeerCompletion
 
 log = logging.getLogger("kvsidecar.daemon")
 
 
-class Daemon(Edge, Registration, Commands):
+class Daemon(Dispatch):
     """One kvsidecar daemon. ``await startup()``; ``await shutdown()``; or `run` / `serve`.
 
     ``started`` is set once the sockets are bound and the pool is allocated (tests and the CLI
@@ -128,6 +111,8 @@ class Daemon(Edge, Registration, Commands):
         self._executor: CopyExecutor | None = None
         self.peer: PeerService | None = None
         """Node-to-node transfer (kvsidecar.peer); set during startup."""
+        self.daemon_id = ""
+        """This daemon's identity in hello replies (the peer service's); set during startup."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._decoder = msgspec.msgpack.Decoder(Request)
@@ -141,6 +126,11 @@ class Daemon(Edge, Registration, Commands):
         self.errors_total = 0
         # --- completions + metrics (issue 4: kvsidecar/completions.py, observability.py) ---
         self.completions = CompletionService()
+        # --- prefix cache and connectors (kvsidecar/daemon/cache.py, worker_events.py) ---
+        self.cache: PrefixCache | None = None
+        """The node's shared prefix cache; set during startup."""
+        self.worker_events = WorkerEvents(self.registry)
+        """Completion events per subscribed worker (``take_worker_events``)."""
         """Per-engine completion aggregation (the ``report`` and ``collect`` commands)."""
         self.observability = Observability(config)
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
@@ -233,10 +223,12 @@ class Daemon(Edge, Registration, Commands):
         self._bind_control()
         # --- peer: node-to-node transfer (peer endpoint, pulls, leases) ---
         self.peer = PeerService(cfg, self.registry, self._executor)
+        self.daemon_id = self.peer.daemon_id
         await self.peer.start()
         # --- end peer ---
         # --- completions + metrics: peer outcomes feed the aggregation; endpoint bound last ---
         self.peer.on_completion = self._on_peer_completion
+        self.cache = PrefixCache(cfg, self.registry, self._pool, self.observability.cache_metrics)
         await self.observability.start(self, self.readiness)
         # security: plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport
         peer_plain = bool(cfg.peer_endpoint) and not cfg.curve_secret_key
@@ -345,6 +337,9 @@ class Daemon(Edge, Registration, Commands):
             # A copy still running after the drain is abandoned; its views keep its mapping alive.
             self._executor.shutdown(wait=not self.force_exit and self._executor.in_flight == 0)
             self._executor = None
+        if self.cache is not None:  # prefix cache: its namespaces are host-pool extents
+            self.cache.close()
+            self.cache = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -360,79 +355,6 @@ class Daemon(Edge, Registration, Commands):
         await self.observability.close()
         self._notifier.close()
         log.info("kvsidecar stopped")
-
-    # ------------------------------------------------------------------ dispatch
-
-    def _peer_service(self) -> PeerService:
-        """Return the peer service; a typed error when a peer command comes before or after it."""
-        if self.peer is None:
-            raise SidecarError("shutting_down", "node-to-node transfer is not running")
-        return self.peer
-
-    def _dispatch(
-        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
-    ) -> Dispatched:
-        """Answer a request inline (a reply and its data frames), or return what answers later.
-
-        ``who`` sent it (`authorize` already let it through); registrations, grants and pulls
-        need it again further on.
-
-        That is a coroutine (run as a task), the future of a peer pull's reply, or for copy
-        jobs their outcome (the job answers through ``reply_to`` itself).
-        """
-        match req:
-            case Hello():
-                _check_version(req.protocol_version)
-                return self._hello(req), ()
-            case Status():
-                return self._status(req), ()
-            case Heartbeat():
-                return self._heartbeat(req), ()
-            case HostAlloc():
-                return self._host_alloc(req)
-            case HostFree():
-                return self._host_free(req, data[0]), ()
-            case Move():
-                return self._move(req, data, reply_to)
-            case MoveBatch():
-                return self._move_batch(req, data, reply_to)
-            case Grant():  # security
-                return self._grant(req, who), ()
-            case FixLayout():
-                ids = self._ids(data[0], req.ids_dtype, "block")
-                job = prepare_fix(self.registry, req, ids)
-                return self._run_job(job, req.id, move=False, respond=reply_to)
-            # --- peer (kvsidecar.peer.service) ---
-            case Pull():
-                remote = self._ids(data[0], req.ids_dtype, "remote block")
-                local = self._ids(data[1], req.ids_dtype, "local block")
-
-                # A pull served by this very daemon reads its own engines: rights as for a move.
-                def may_read(engine_id: str) -> bool:
-                    return self.access.may(who, engine_id, write=False)
-
-                return self._peer_service().pull(req, remote, local, may_read)
-            case Publish():
-                ids = self._ids(data[0], req.ids_dtype, "block")
-                return self._peer_service().publish(req, ids), ()
-            case TakePeerEvents():
-                return self._peer_service().take_events(req), ()
-            # --- end peer ---
-            # --- completions (kvsidecar/completions.py) ---
-            case Report():
-                return self.completions.report(req), ()
-            case Collect():
-                return self.completions.collect(req)
-            # --- end completions ---
-            case Register():
-                _check_version(req.protocol_version)
-                return self._register(req, who)
-            case Unregister():
-                check_epoch(self.registry.worker(req.worker), req.epoch)
-                return self._unregister(req)
-        raise SidecarError(
-            "unknown_message", f"no handler for {type(req).__name__}"
-        )  # pragma: no cover
 
     # ------------------------------------------------------------------ metrics and completions
 
@@ -474,5 +396,6 @@ class Daemon(Edge, Registration, Commands):
     def _on_peer_completion(self, event: PeerCompletion) -> None:
         # Counted by the aggregation, and still queued for ``take_peer_events`` (observers).
         self.completions.on_peer_event(event)
+        self.worker_events.on_peer_event(event)  # connectors that aggregate themselves
         if self.peer is not None:
             self.peer.completions.append(event)

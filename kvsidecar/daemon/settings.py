@@ -287,5 +287,19 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "How long received fds wait for their registration before they are closed.",
     ),
+    # --- prefix cache (kvsidecar/daemon/cache.py) ---
+    Setting(
+        "cache_bytes",
+        int,
+        256 << 20,
+        "Host-pool bytes the node's shared prefix cache may hold, all namespaces together "
+        "(taken from the pool as engines store; 0 disables the cache).",
+    ),
+    Setting(
+        "cache_pin_s",
+        float,
+        30.0,
+        "Longest a lookup's pin keeps blocks from eviction before the engine loads them.",
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""

@@ -139,6 +139,7 @@ def check_compatible(local: PeerEngine, remote: PeerEngine) -> None:
         "blocks_first": 2,
         "split": 1,
         "mla": 1,
+        "vllm_cpu": 1,  # K and V interleave head by head: one region per block
     }
     if regions[local.arrangement] != regions[remote.arrangement]:
         raise IncompatiblePeer(

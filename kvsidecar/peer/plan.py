@@ -106,6 +106,8 @@ class RankPlan:
 
 
 def _needs_fix(remote: BufferDescriptor, local: BufferDescriptor, ratio: int) -> bool:
+    if local.arrangement == "vllm_cpu":
+        return ratio > 1  # K is stored transposed: packed blocks never read as one block
     if local.arrangement == "mla" or local.num_heads == 1:
         return False  # one head: token order is the only order, concatenation is already right
     same = remote.memory_order == local.memory_order
@@ -210,6 +212,11 @@ def _sources(
         if local.compat.is_mla:
             return [(targets[0], 0, rbl, 0)], targets, expected
         ratio = topo.tp_ratio(remote.tp_size)
+        if ratio != 1 and "vllm_cpu" in (ldesc.arrangement, rdesc.arrangement):
+            raise PlanError(
+                "heterogeneous TP is not supported for vLLM's CPU cache layout (vllm_cpu): "
+                f"local TP {local.tp_size}, remote TP {remote.tp_size}"
+            )
         if ratio == 1:
             return [(targets[0], 0, rbl, 0)], targets, expected
         if ratio > 1:

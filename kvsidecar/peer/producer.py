@@ -31,7 +31,8 @@ from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Ok, Publish
+from kvsidecar.wire.protocol import Ok
+from kvsidecar.wire.pulls import Publish
 from kvsidecar.wire.reports import PeerCompletion
 
 log = logging.getLogger("kvsidecar.peer")
@@ -155,6 +156,20 @@ class Producer:
         log.info("lease of %s/%s expired unread: blocks released", *key)
         ids = frozenset({key[1]})
         self.emit(PeerCompletion(engine_id=key[0], finished_sending=ids, expired_sending=ids))
+
+    def readable(self, engine_id: str, request_id: str) -> PeerError | None:
+        """Why a local pull may not read this request now (None: it is published and held)."""
+        key = (engine_id, request_id)
+        if key in self._expired:
+            return PeerError(
+                id=0, code="expired", message=f"request {request_id!r} was released (lease ended)"
+            )
+        held = self._held.get(key)
+        if held is None or not held.published:
+            return PeerError(
+                id=0, code="unknown_engine", message=f"request {request_id!r} is not published"
+            )
+        return None
 
     def read(self, msg: ReadBlocks, data: list[zmq.Frame]) -> tuple[Any, list[Any]]:
         """Answer a ZMQ-plane read: the reply and its data frames, or a `PeerError`."""

@@ -33,6 +33,7 @@ from kvsidecar.daemon.jobs import fix_layers
 from kvsidecar.daemon.registry import BufferSet, Engine, Worker
 from kvsidecar.peer.handshake import IncompatiblePeer, check_compatible, describe_engine
 from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
+from kvsidecar.peer.local import LOCAL_PLANE
 from kvsidecar.peer.messages import (
     PEER_PROTOCOL_VERSION,
     Notify,
@@ -45,7 +46,8 @@ from kvsidecar.peer.plan import I64, PlanError, RankPlan, plan_rank
 from kvsidecar.peer.planes import DataPlane, ReadTarget
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Pull, Pulled, PullItem, Reply
+from kvsidecar.wire.protocol import Reply
+from kvsidecar.wire.pulls import Pull, Pulled, PullItem
 from kvsidecar.wire.reports import PeerCompletion
 
 if TYPE_CHECKING:
@@ -83,8 +85,8 @@ def check_pull(
     ``may_read`` decides on the remote engine when the remote daemon is this one.
     """
     engine = service.registry.engine(req.engine_id)
-    if not req.remote_endpoint.startswith(("tcp://", "ipc://")):
-        raise SidecarError("invalid_message", "remote_endpoint must be tcp:// or ipc://")
+    if req.remote_endpoint and not req.remote_endpoint.startswith(("tcp://", "ipc://")):
+        raise SidecarError("invalid_message", "remote_endpoint must be tcp://, ipc:// or empty")
     require_distinct(
         [it.request_id for it in req.items],
         empty="a pull needs at least one item",
@@ -229,9 +231,10 @@ class PeerPull:
     async def _handshake(self, link: PeerLink) -> PeerWelcome | Pulled:
         """Greet the remote daemon; a failed handshake fails the pull (the reply says why)."""
         service = self.service
-        if self.pref in ("auto", "nixl") and self.config.peer_data_plane != "zmq":
+        local = not self.req.remote_endpoint
+        if not local and self.pref in ("auto", "nixl") and self.config.peer_data_plane != "zmq":
             await service.ensure_nixl()
-        wants_nixl = service.nixl is not None and self.pref in ("auto", "nixl")
+        wants_nixl = not local and service.nixl is not None and self.pref in ("auto", "nixl")
         loop = asyncio.get_running_loop()
         try:
             welcome = await link.request(
@@ -272,6 +275,8 @@ class PeerPull:
         return remote
 
     def _choose_plane(self, welcome: PeerWelcome) -> str:
+        if not self.req.remote_endpoint:
+            return LOCAL_PLANE  # this daemon's own engines: copied in memory
         pref = self.pref
         both_nixl = (
             self.service.nixl is not None and "nixl" in welcome.planes and welcome.nixl_metadata

@@ -47,6 +47,7 @@ from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.registry import Registry, Worker
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
+from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
 from kvsidecar.peer.messages import (
     PEER_PROTOCOL_VERSION,
     Notify,
@@ -63,7 +64,8 @@ from kvsidecar.peer.pull import check_pull
 from kvsidecar.peer.zmq_plane import ZmqPlane
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Ok, PeerEvents, Publish, Pull, Reply, TakePeerEvents
+from kvsidecar.wire.protocol import Ok, Reply
+from kvsidecar.wire.pulls import PeerEvents, Publish, Pull, TakePeerEvents
 from kvsidecar.wire.reports import PeerCompletion
 from kvsidecar.wire.zmq_memory import keep_freed_memory
 
@@ -111,6 +113,9 @@ class PeerService:
         self._transport: Transport | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._links: dict[str, PeerLink] = {}
+        # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
+        self._local_link = LocalLink(self)
+        self.planes[LOCAL_PLANE] = LocalPlane(self, registry, executor)
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
@@ -338,7 +343,12 @@ class PeerService:
     # ------------------------------------------------------------------ links
 
     def link(self, endpoint: str) -> PeerLink:
-        """Return the link to the daemon at ``endpoint``; connect on first use or after a drop."""
+        """Return the link to the daemon at ``endpoint``; connect on first use or after a drop.
+
+        ``endpoint`` "" is this daemon itself (`kvsidecar.peer.local.LocalLink`).
+        """
+        if not endpoint:
+            return self._local_link
         link = self._links.get(endpoint)
         if link is not None and link.lost and not link.closed:
             self._spawn_close(link)

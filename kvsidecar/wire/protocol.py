@@ -11,20 +11,31 @@ rides in raw frames next to them.
 from __future__ import annotations
 
 import typing
-from typing import Literal
 
 import msgspec
 
+from kvsidecar.wire.bases import ReplyBase as _Reply
+from kvsidecar.wire.bases import RequestBase as _Request
 from kvsidecar.wire.batch import MoveBatch, MovedBatch
+from kvsidecar.wire.cache import (  # prefix cache and connectors
+    CacheHits,
+    CacheLoad,
+    CacheLoaded,
+    CacheLookup,
+    CacheNamespaceInfo,
+    CacheStore,
+    CacheStored,
+    TakeWorkerEvents,
+)
 from kvsidecar.wire.errors import ErrorCode
-from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, PeerCompletion, TransferStats
+from kvsidecar.wire.pulls import PeerEvents, Publish, Pull, Pulled, TakePeerEvents
+from kvsidecar.wire.reports import AggregatedOutput, CacheEvents, TransferStats
 from kvsidecar.wire.types import (
     BufferSetRef,
     EngineInfo,
     IdsDtype,
     LayerSpec,
     LayoutSpec,
-    Medium,
     MoveEvents,
     WorkerRef,
 )
@@ -41,12 +52,6 @@ PROTOCOL_VERSION = 1
 # shape, ``[header, *data]`` with a msgpack-encoded `Reply`. The ROUTER's routing-id frame is
 # added and stripped by ZeroMQ and is not part of this schema.
 # ---------------------------------------------------------------------------------------------
-
-
-class _Request(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
-    """Base of every request: the client-chosen request id echoed in the reply."""
-
-    id: int
 
 
 class Hello(_Request, tag="hello", frozen=True):
@@ -180,69 +185,6 @@ class Grant(_Request, tag="grant", frozen=True):
     registered now or, if none is, the next one to register, and ends with it."""
 
 
-# --- peer (node-to-node transfer, kvsidecar/peer/): commands and replies ----------------------
-
-
-class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request of a `Pull`: its id, and how many ids it has in each of the two id frames.
-
-    ``num_remote`` ids (the producer's blocks, in token order) land in ``num_local`` local blocks:
-    with a local block size ``r`` times the remote one, local block ``j`` receives remote blocks
-    ``r*j .. r*j + r - 1``, so ``r * (num_local - 1) < num_remote <= r * num_local``.
-    ``remote_request_id`` is the producer's id for it (default: the same id).
-    """
-
-    request_id: str
-    num_remote: int
-    num_local: int
-    remote_request_id: str = ""
-
-
-class Pull(_Request, tag="pull", frozen=True):
-    """Read requests' KV blocks from another node's daemon into this engine's blocks.
-
-    Frame 0: every item's remote block ids, concatenated in item order; frame 1: every item's
-    local block ids, likewise. ``tp_rank`` None pulls for every registered rank of the engine
-    (the scheduler's call); a number pulls for that one rank (a worker's call). The reply
-    (`Pulled`) comes when every item is received or failed; ``timeout_s`` 0 means the daemon's
-    ``peer_pull_timeout_s``.
-    """
-
-    engine_id: str
-    remote_endpoint: str
-    remote_engine_id: str
-    items: list[PullItem]
-    tp_rank: int | None = None
-    pp_rank: int = 0
-    medium: Medium = "device"
-    ids_dtype: IdsDtype = "int64"
-    timeout_s: float = 0.0
-    plane: Literal["", "zmq", "nixl"] = ""
-    """Data plane for this pull; "" = the daemon's ``peer_data_plane`` setting."""
-
-
-class Publish(_Request, tag="publish", frozen=True):
-    """Hold a request's blocks for remote readers (producer side). Frame 0: the block ids.
-
-    The daemon reports ``finished_sending`` for the request once every producer rank was read
-    by all its consumers, or once the lease (``lease_s``, 0 = ``peer_lease_s``) runs out.
-    """
-
-    engine_id: str
-    request_id: str
-    lease_s: float = 0.0
-    ids_dtype: IdsDtype = "int64"
-
-
-class TakePeerEvents(_Request, tag="take_peer_events", frozen=True):
-    """Take (remove and return) the queued peer completion events; ``engine_id`` "" = all."""
-
-    engine_id: str = ""
-
-
-# --- end peer commands ------------------------------------------------------------------------
-
-
 # --- completion aggregation (kvsidecar/completions.py): commands --------------------------------
 
 
@@ -300,6 +242,10 @@ Request = (
     | Collect  # completion aggregation
     | Grant  # security
     | MoveBatch  # many moves per command (kvsidecar/wire/batch.py)
+    | CacheLookup
+    | CacheStore
+    | CacheLoad
+    | TakeWorkerEvents  # prefix cache and connectors
 )
 """Every request a client may send."""
 
@@ -307,12 +253,6 @@ REQUEST_TAGS: frozenset[str] = frozenset(
     str(t.__struct_config__.tag) for t in typing.get_args(Request)
 )
 """The ``type`` values of `Request`."""
-
-
-class _Reply(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
-    """Base of every reply: the id of the request it answers (0 if that was unreadable)."""
-
-    id: int
 
 
 class HelloReply(_Reply, tag="hello_reply", frozen=True):
@@ -326,6 +266,12 @@ class HelloReply(_Reply, tag="hello_reply", frozen=True):
     max_ids_per_command: int
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
+    peer_endpoint: str = ""
+    """Where other daemons pull this node's published blocks (`Pull.remote_endpoint`); "" when
+    the daemon has no peer endpoint."""
+    daemon_id: str = ""
+    """This daemon's identity (changes on restart): two engines that see the same id share a
+    daemon, and a pull between them is a local one (`Pull` with ``remote_endpoint`` "")."""
     capabilities: list[str] = []
     """Optional features this daemon serves (`CAPABILITIES`); a client uses a feature only when
     it is listed, so an older daemon is never sent what it would ignore or refuse."""
@@ -400,6 +346,8 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     draining: bool = False
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
+    cache_namespaces: list[CacheNamespaceInfo] = []
+    """The prefix cache's namespaces (`kvsidecar.daemon.cache`)."""
 
 
 class Error(_Reply, tag="error", frozen=True):
@@ -407,35 +355,6 @@ class Error(_Reply, tag="error", frozen=True):
 
     code: ErrorCode
     message: str
-
-
-# --- peer (node-to-node transfer, kvsidecar/peer/): replies -------------------------------------
-
-
-class Pulled(_Reply, tag="pulled", frozen=True):
-    """A pull ended: which requests were received, which failed (and why), bytes and seconds.
-
-    The local blocks of failed requests are in ``invalid_block_ids``; the same outcome is queued
-    as a `PeerCompletion` for the completion aggregation.
-    """
-
-    finished: list[str]
-    failed: list[str]
-    invalid_block_ids: list[int]
-    nbytes: int
-    seconds: float
-    plane: str
-    error_code: str = ""
-    error: str = ""
-
-
-class PeerEvents(_Reply, tag="peer_events", frozen=True):
-    """The peer completion events taken by `TakePeerEvents`, oldest first."""
-
-    events: list[PeerCompletion]
-
-
-# --- end peer replies -------------------------------------------------------------------------
 
 
 # --- completion aggregation (kvsidecar/completions.py): replies ---------------------------------
@@ -478,6 +397,9 @@ Reply = (
     | Reported
     | Collected  # completion aggregation
     | MovedBatch  # kvsidecar/wire/batch.py
+    | CacheHits
+    | CacheStored
+    | CacheLoaded  # prefix cache
 )
 """Every reply the daemon sends."""
 

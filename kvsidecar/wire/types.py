@@ -10,13 +10,16 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-Arrangement = Literal["kv_first", "blocks_first", "split", "mla"]
+Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu"]
 """How K and V sit in one registered tensor.
 
 - ``kv_first``: ``(2, B, N, H, C)`` (FlashAttention)
 - ``blocks_first``: ``(B, 2, N, H, C)`` (FlashInfer)
 - ``split``: ``(B, N, H, C)``, one tensor for K and another for V
 - ``mla``: ``(B, N, C)``, one latent vector per token
+- ``vllm_cpu``: ``(B, H, N, 2C)``, vLLM's CPU attention cache (its ``vec`` kernels): per block
+  and head, K stored transposed ``(C, N)`` followed by V ``(N, C)``. Added after protocol 1
+  shipped; a daemon that predates it refuses such a descriptor with ``invalid_message``.
 """
 
 MemoryOrder = Literal["NHD", "HND"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -85,16 +87,31 @@ class LineChild:
     ready_line = "ready"
     """What the child prints once it is ready (see `wait_ready`)."""
 
-    def __init__(self, module: str, *args: str, name: str = "", exit_line: str = "exit") -> None:
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        name: str = "",
+        exit_line: str = "exit",
+        python: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+        stderr: Any = None,
+    ) -> None:
+        """``python``: another interpreter (its own venv); ``env``: added variables. With
+        ``python`` the child leads a process group of its own, and `stop` ends the whole group
+        (such children start processes of their own: vLLM does)."""
         self.name = name or module
         self.exit_line = exit_line
+        self._group = python is not None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"tests.helpers.{module}", *args],
+            [str(python or sys.executable), "-m", f"tests.helpers.{module}", *args],
             cwd=ROOT,
-            env=python_env(),
+            env=python_env(**(env or {})),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
+            start_new_session=self._group,
         )
         assert self.proc.stdout is not None
         self._reader = LineReader(self.proc.stdout, self.name)
@@ -152,6 +169,15 @@ class LineChild:
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()
+        if self._group:  # what it started and left behind
+            self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's whole process group (a child started with ``python``)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
 
     def __enter__(self) -> LineChild:
         return self

@@ -305,3 +305,18 @@ async def prometheus_running(
     finally:
         # Shielded: a cancelled test (timeout) must still not leave the process behind.
         await asyncio.shield(asyncio.to_thread(stack.close))
+
+
+def scrape(port: int, timeout: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Read a daemon's /metrics: ``{(sample name, sorted labels): value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

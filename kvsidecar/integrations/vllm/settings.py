@@ -1,0 +1,98 @@
+"""The connector's settings: ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config``.
+
+One frozen `ConnectorSettings`, read once from the extra config in both of vLLM's processes
+(they get the same config). Unknown keys and ill-typed values are errors: a typo must not
+silently turn a feature off. Every key is documented in docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvsidecar.wire.endpoints import default_endpoint
+
+
+class SettingsError(ValueError):
+    """A connector setting has a value the connector cannot run with; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` may set (defaults in the field list)."""
+
+    endpoint: str = ""
+    """The daemon's control endpoint; "" is this user's default (``KVSIDECAR_*`` env, runtime
+    dir), as for every kvsidecar client."""
+    prefix_cache: bool | None = None
+    """Share computed blocks through the daemon's prefix cache; None: on for ``kv_both``."""
+    cache_bytes: int = 0
+    """Size of this engine's cache namespace per rank when it creates it; 0: the daemon's share."""
+    timeout_s: float = 10.0
+    """Bound on one call to the daemon (stores, loads and pulls are also bounded by their own)."""
+    connect_timeout_s: float = 2.0
+    """How long a connection attempt waits for the daemon's hello."""
+    lookup_timeout_s: float = 1.0
+    """Bound on the scheduler's lookup; a daemon that does not answer in time is a miss."""
+    retry_s: float = 5.0
+    """After the daemon was found away, how long before it is tried again (misses meanwhile)."""
+    store_wait_s: float = 5.0
+    """How long a worker keeps a block unwritten for its store to copy it (``not_after``)."""
+    load_timeout_s: float = 10.0
+    """Bound on a load the forward pass waits for; past it the blocks are load errors."""
+    pin_s: float = 10.0
+    """How long a lookup's pin holds cached blocks for the load that follows."""
+    lease_s: float = 0.0
+    """How long a prefill engine's published blocks wait for their consumer; 0: the daemon's."""
+    pull_timeout_s: float = 0.0
+    """Bound on a decode engine's pull; 0: the daemon's ``peer_pull_timeout_s``."""
+    stats_file: str = ""
+    """Where each vLLM process appends, at shutdown, one JSON line: the calls and seconds of each
+    connector hook (and a worker's counters). "" writes nothing."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Build the settings from vLLM's extra config; `SettingsError` names a bad key."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (extra or {}).items():
+            field = fields.get(key)
+            if field is None:
+                raise SettingsError(f"kvsidecar connector: unknown setting {key!r}")
+            values[key] = _parse(key, raw, field.default)
+        settings = cls(**values)
+        for name in ("timeout_s", "connect_timeout_s", "lookup_timeout_s", "retry_s"):
+            if not getattr(settings, name) > 0:
+                raise SettingsError(f"kvsidecar connector: {name} must be > 0")
+        for name in ("store_wait_s", "load_timeout_s", "pin_s"):
+            if not getattr(settings, name) > 0:
+                raise SettingsError(f"kvsidecar connector: {name} must be > 0")
+        for name in ("cache_bytes", "lease_s", "pull_timeout_s"):
+            if getattr(settings, name) < 0:
+                raise SettingsError(f"kvsidecar connector: {name} must be >= 0")
+        return settings
+
+    @property
+    def daemon_endpoint(self) -> str:
+        """The endpoint to connect to (``endpoint``, or this user's default)."""
+        return self.endpoint or default_endpoint()
+
+
+def _parse(key: str, raw: object, default: object) -> Any:
+    """Check ``raw`` against the type of the field's default (bools are not numbers)."""
+    if default is None or isinstance(default, bool):
+        if isinstance(raw, bool) or (default is None and raw is None):
+            return raw
+        raise SettingsError(f"kvsidecar connector: {key} must be true or false, not {raw!r}")
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise SettingsError(f"kvsidecar connector: {key} must be an integer, not {raw!r}")
+    if isinstance(default, float):
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            return float(raw)
+        raise SettingsError(f"kvsidecar connector: {key} must be a number, not {raw!r}")
+    if isinstance(raw, str):
+        return raw
+    raise SettingsError(f"kvsidecar connector: {key} must be a string, not {raw!r}")

@@ -1,0 +1,144 @@
+"""A pull from this very daemon: both engines on one node, one daemon, no socket in between.
+
+A disaggregated prefill whose prefill and decode engines share a daemon needs the same steps as
+a pull from another node (handshake, compatibility check, plan with its TP, block-size and layout
+fixes, completion, the producer's notification), only the bytes do not travel: they are copied
+from the producer's registered memory into the consumer's. So a `Pull` whose
+``remote_endpoint`` is empty runs `kvsidecar.peer.pull.PeerPull` unchanged over:
+
+- `LocalLink`: the "connection" to ourselves. A handshake is answered by this daemon's own
+  `PeerService` (the welcome another node would get), a notification goes straight to its
+  producer side;
+- `LocalPlane`: the data plane that copies a read plan's byte ranges between two mappings of
+  this daemon, on the copy executor.
+
+Only published requests are read (`kvsidecar.peer.producer.Producer.readable`): the producer said
+these blocks may go to a consumer, and they are held until read or until the lease ends. Who may
+pull locally from whom is decided before (`kvsidecar.daemon.access`: the same user only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.daemon.registry import LayerBuffer, Registry
+from kvsidecar.peer.link import Dest, PeerGone, PeerLink, PeerRefused
+from kvsidecar.peer.messages import Notify, PeerError, PeerHello, PeerReply, PeerRequest
+from kvsidecar.peer.plan import ReadPlan
+from kvsidecar.peer.planes import DataPlane, ReadTarget
+from kvsidecar.peer.zmq_plane import as_bytes
+
+if TYPE_CHECKING:
+    from kvsidecar.peer.service import PeerService
+
+LOCAL_PLANE = "local"
+"""`Pulled.plane` of a pull served by this daemon itself."""
+
+
+class LocalLink(PeerLink):
+    """The daemon as its own peer (see the module doc): no socket, no task, never drops."""
+
+    def __init__(self, service: PeerService) -> None:  # no super(): there is no socket
+        self.endpoint = ""
+        self.slots = asyncio.Semaphore(1 << 16)
+        self.closed = False
+        self._connected = True  # `connected` stays true: no stream can break
+        self._streams = []
+        self.lost = False
+        self._service = service
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        """Return a fresh request id."""
+        return next(self._ids)
+
+    async def request(
+        self,
+        msg: PeerRequest,
+        frames: Sequence[Any] = (),
+        dests: Sequence[Dest] = (),
+        *,
+        timeout: float,
+    ) -> PeerReply:
+        """Answer a handshake the way this daemon answers other nodes; nothing else is asked."""
+        if not isinstance(msg, PeerHello):
+            raise PeerGone(f"a local link carries handshakes and notifications, not {msg!r}")
+        reply = self._service._welcome(msg)
+        if isinstance(reply, PeerError):
+            raise PeerRefused(reply)
+        return reply
+
+    async def send(self, msg: PeerRequest) -> None:
+        """Hand a consumer's notification to this daemon's producer side."""
+        if isinstance(msg, Notify):
+            self._service.producer.on_notify(msg)
+
+    def fail_all(self, exc: Exception) -> None:
+        """Nothing is ever in flight on a local link."""
+
+    async def close(self) -> None:
+        """Nothing to close; the link stays usable."""
+
+
+class LocalPlane(DataPlane):
+    """Copies a read plan's ranges from a producer's mapped layers into ours (executor)."""
+
+    name = LOCAL_PLANE
+
+    def __init__(self, service: PeerService, registry: Registry, executor: CopyExecutor) -> None:
+        self._service = service
+        self._registry = registry
+        self._executor = executor
+
+    async def read(self, target: ReadTarget, plan: ReadPlan, deadline: float) -> int:
+        """Copy every range of ``plan`` by ``deadline``; refuse requests that are not published."""
+        refused = self._service.producer.readable(target.engine_id, target.request_id)
+        if refused is not None:
+            raise PeerRefused(refused)
+        worker = next(
+            (
+                w
+                for w in self._registry.workers.values()
+                if w.ref.engine_id == target.engine_id
+                and (w.ref.tp_rank, w.ref.pp_rank) == (plan.remote_tp_rank, plan.remote_pp_rank)
+            ),
+            None,
+        )
+        if worker is None:
+            raise PeerGone(f"producer rank tp{plan.remote_tp_rank} of {target.engine_id} is gone")
+        sources = [worker.device.layers[name] for name in plan.remote_layers]
+        rows = plan.ranges.tolist()
+        dests = plan.dest.tolist()
+
+        def copy() -> int:
+            return _copy_ranges(sources, target.local_layers, rows, dests)
+
+        loop = asyncio.get_running_loop()
+        job = self._executor.submit(copy, reads={}, writes={})
+        try:
+            return await asyncio.wait_for(job, max(deadline - loop.time(), 0.001))
+        except (TimeoutError, asyncio.TimeoutError):
+            raise PeerGone("local copy did not finish before the pull's deadline") from None
+
+
+def _copy_ranges(
+    sources: list[LayerBuffer],
+    targets: list[LayerBuffer],
+    rows: list[list[int]],
+    dests: list[list[int]],
+) -> int:
+    """Copy ``(source layer, offset, length)`` rows to ``(target layer, offset)``; bytes moved."""
+    src: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in sources]
+    dst: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in targets]
+    total = 0
+    for (si, so, n), (di, do) in zip(rows, dests, strict=True):
+        np.copyto(dst[di][do : do + n], src[si][so : so + n])
+        total += n
+    return total

