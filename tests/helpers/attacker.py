@@ -27,10 +27,10 @@ import contextlib
 import json
 import mmap
 import os
-import select
 import socket
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -54,11 +54,23 @@ def send_fds(sock: socket.socket, token: bytes, fds: list[int]) -> None:
     sock.sendall(frame[sent:])
 
 
+_STOP = threading.Event()
+"""Set once stdin says ``exit`` or closes (read on a thread: a select on the pipe's fd would
+not see a line already in Python's buffer)."""
+
+
+def _watch_stdin() -> None:
+    for line in sys.stdin:
+        if line.strip() == "exit":
+            break
+    _STOP.set()
+
+
+threading.Thread(target=_watch_stdin, daemon=True).start()
+
+
 def _stop_requested() -> bool:
-    if not select.select([sys.stdin], [], [], 0)[0]:
-        return False
-    line = sys.stdin.readline()
-    return not line or line.strip() == "exit"
+    return _STOP.is_set()
 
 
 def _dealer(ctx: zmq.Context[Any], endpoint: str, *, sndhwm: int = 1000) -> zmq.Socket[Any]:
