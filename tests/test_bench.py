@@ -100,6 +100,21 @@ def test_latency_tiny_run(tmp_path: Path) -> None:
     assert any(r["name"] == "latency/1-block move, 1 layer p50" for r in results)
 
 
+def test_peer_tiny_run(tmp_path: Path) -> None:
+    # Both planes pull published requests between two real daemons; the bench checks the
+    # consumer's bytes against the producer's before it times anything.
+    out = bench("peer", *TINY, "--json", str(tmp_path / "p.json"), timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = check_results(tmp_path / "p.json")
+    planes = {r["name"].rsplit("/", 1)[-1] for r in results}
+    assert "zmq plane pull" in planes
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        return
+    assert "nixl plane pull" in planes
+
+
 def _figures() -> list[Figure]:
     return [
         Figure("a", "GB/s", [1.0, 2.0, 3.0], "base", [1.0], chart="run_length", series="a", x=1),

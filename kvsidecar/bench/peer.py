@@ -26,6 +26,7 @@ Within a phase, the methods take turns repetition by repetition, so they share t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import subprocess
 import sys
@@ -175,8 +176,11 @@ class _Setup:
 
 
 @contextlib.contextmanager
-def _daemons(setup: _Setup, plane: Plane) -> Iterator[tuple[SidecarClient, str]]:
-    """Start producer and consumer daemons, register both engines; yield (consumer, endpoint)."""
+def _daemons(setup: _Setup, plane: Plane) -> Iterator[tuple[SidecarClient, SidecarClient, str]]:
+    """Start producer and consumer daemons, register both engines.
+
+    Yields (producer's client, consumer's client, the producer's peer endpoint).
+    """
     endpoint = f"tcp://127.0.0.1:{_port()}"
     with (
         # Loopback only, so without CURVE (`insecure`): CurveZMQ would encrypt the zmq plane's
@@ -191,17 +195,39 @@ def _daemons(setup: _Setup, plane: Plane) -> Iterator[tuple[SidecarClient, str]]
     ):
         pc.register_kv_caches({f"l{i}": t for i, t in enumerate(setup.src)}, engine_id="p")
         cc.register_kv_caches({f"l{i}": t for i, t in enumerate(setup.dst)}, engine_id="c")
-        yield cc, endpoint
+        yield pc, cc, endpoint
 
 
-def _puller(cc: SidecarClient, endpoint: str, plane: Plane, setup: _Setup, blocks: int) -> Any:
-    """Check one pull's bytes (the warm-up), then return a timed pull of ``blocks``."""
+def _puller(
+    clients: tuple[SidecarClient, SidecarClient],
+    endpoint: str,
+    plane: Plane,
+    setup: _Setup,
+    blocks: int,
+) -> Any:
+    """Check one pull's bytes (the warm-up), then return a timed pull of ``blocks``.
+
+    Each pull reads a request of its own, published by the producer before the clock starts: a
+    producer opens blocks only to reads of a published request, and releases it once read.
+    """
+    pc, cc = clients
     ids = list(range(blocks))
     nbytes = setup.nbytes(blocks)
+    serial = itertools.count()
 
     def once() -> float:
+        rid = f"{plane}-{blocks}-{next(serial)}"
+        pc.publish("p", rid, ids)
         start = time.perf_counter()
-        pulled = cc.pull("c", endpoint, "p", {"r": (ids, ids)}, plane=plane, timeout_s=300)
+        pulled = cc.pull(
+            "c",
+            endpoint,
+            "p",
+            {"r": (ids, ids)},
+            remote_request_ids={"r": rid},
+            plane=plane,
+            timeout_s=300,
+        )
         took = time.perf_counter() - start
         if pulled.failed or pulled.nbytes != nbytes:
             raise RuntimeError(f"{plane} pull failed: {pulled}")
@@ -226,11 +252,11 @@ def _turns(methods: dict[str, Callable[[], float]], repeat: int) -> dict[str, li
 
 def _zmq_phase(setup: _Setup, progress: Progress) -> list[Figure]:
     figures = []
-    with _daemons(setup, "zmq") as (cc, endpoint):
+    with _daemons(setup, "zmq") as (pc, cc, endpoint):
         for blocks in setup.sizes:
             nbytes = setup.nbytes(blocks)
             progress.step(0, f"peer: zmq plane, {blocks} blocks")
-            pull = _puller(cc, endpoint, "zmq", setup, blocks)
+            pull = _puller((pc, cc), endpoint, "zmq", setup, blocks)
             plain = RawZmq(nbytes, keep_freed_memory=False)
             kept = RawZmq(nbytes, keep_freed_memory=True)
             try:
@@ -252,11 +278,11 @@ def _zmq_phase(setup: _Setup, progress: Progress) -> list[Figure]:
 def _nixl_phase(setup: _Setup, progress: Progress) -> list[Figure]:
     figures = []
     raw_dest = torch.ones(setup.nbytes(setup.opts.blocks), dtype=torch.uint8)
-    with _daemons(setup, "nixl") as (cc, endpoint):
+    with _daemons(setup, "nixl") as (pc, cc, endpoint):
         for blocks in setup.sizes:
             nbytes = setup.nbytes(blocks)
             progress.step(0, f"peer: nixl plane, {blocks} blocks")
-            pull = _puller(cc, endpoint, "nixl", setup, blocks)
+            pull = _puller((pc, cc), endpoint, "nixl", setup, blocks)
             raw = RawNixl(nbytes, raw_dest[:nbytes])
             try:
                 raw.once()  # warm: connection and registration caches
