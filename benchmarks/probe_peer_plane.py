@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,6 +79,26 @@ def _settings(pairs: list[str]) -> dict[str, object]:
     return out
 
 
+_serial = itertools.count()
+
+
+def _pull(
+    pc: SidecarClient,
+    cc: SidecarClient,
+    endpoint: str,
+    ids: list[int],
+    start: list[float] | None = None,
+) -> Any:
+    """Publish a fresh request on the producer, then pull it (the clock, if any, starts after)."""
+    rid = f"r{next(_serial)}"
+    pc.publish("p", rid, ids)
+    if start is not None:
+        start[0] = time.perf_counter()
+    return cc.pull(
+        "c", endpoint, "p", {"r": (ids, ids)}, remote_request_ids={"r": rid}, plane="zmq"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
@@ -119,7 +141,7 @@ def main() -> int:
             dst = allocate_kv_caches(layers, shape, torch.float16)
             cc = stack.enter_context(SidecarClient(ep, timeout_s=120))
             cc.register_kv_caches({f"l{i}": t for i, t in enumerate(dst)}, engine_id="c")
-            pulled = cc.pull("c", endpoint, "p", {"r": (ids, ids)}, plane="zmq")
+            pulled = _pull(pc, cc, endpoint, ids)
             same = all(
                 torch.equal(s.view(torch.int16), d.view(torch.int16))
                 for s, d in zip(src, dst, strict=True)
@@ -136,9 +158,9 @@ def main() -> int:
         for r in range(args.rounds):
             line = []
             for name, cc in clients.items():
-                start = time.perf_counter()
-                pulled = cc.pull("c", endpoint, "p", {"r": (ids, ids)}, plane="zmq")
-                rates.setdefault(name, []).append(nbytes / (time.perf_counter() - start) / 1e9)
+                start = [0.0]
+                pulled = _pull(pc, cc, endpoint, ids, start)
+                rates.setdefault(name, []).append(nbytes / (time.perf_counter() - start[0]) / 1e9)
                 if pulled.failed:
                     raise RuntimeError(pulled)
             if raw_stream is not None:
