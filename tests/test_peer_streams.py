@@ -75,6 +75,34 @@ class Producer:
         self.ctx.term()
 
 
+class HoldingProducer(Producer):
+    """Answers nothing until no read has come for 0.1 s, then all it holds: counts the most
+    reads a consumer had outstanding at once (``most_held``)."""
+
+    def __init__(self, source: np.ndarray) -> None:
+        self.most_held = 0
+        super().__init__(source)
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(PeerRequest)
+        held: list[tuple[bytes, ReadBlocks, np.ndarray]] = []
+        while not self.stop.is_set():
+            if self.sock.poll(100):
+                ident, header, *data = self.sock.recv_multipart()
+                msg = decoder.decode(header)
+                assert isinstance(msg, ReadBlocks)
+                self.reads += 1
+                held.append((ident, msg, np.frombuffer(data[0], dtype="<i8").reshape(-1, 3)))
+                continue
+            self.most_held = max(self.most_held, len(held))
+            for ident, msg, ranges in held:
+                frames = honest(msg, ranges, self.source)
+                assert frames is not None
+                self.sock.send_multipart([ident, *frames], copy=False)
+            held = []
+        self.sock.close(linger=0)
+
+
 @pytest.fixture
 def source() -> np.ndarray:
     return np.random.default_rng(7).integers(0, 256, size=(3, 1 << 18), dtype=np.uint8)
@@ -126,8 +154,7 @@ async def test_chunks_over_several_streams_land_element_by_element(
         async def one(i: int) -> None:
             rows, offs = chunks[i]
             views = [dests[i][o : o + n] for o, n in zip(offs, rows[:, 2].tolist(), strict=True)]
-            async with link.slots:
-                reply = await _read(link, rows, views)
+            reply = await _read(link, rows, views)
             assert isinstance(reply, ReadData) and reply.nbytes == dests[i].size
 
         await asyncio.gather(*(one(i) for i in range(len(chunks))))
@@ -136,6 +163,27 @@ async def test_chunks_over_several_streams_land_element_by_element(
                 np.testing.assert_array_equal(dest[at : at + n], source[layer, off : off + n])
         assert producer.reads == 60
         assert len(producer.idents) == 3, "every stream is a connection of its own"
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_streams_keep_at_most_max_in_flight_reads_outstanding(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    # Every read is handed to the link at once; the streams' windows (3 + 2 for 5 in flight
+    # over 2 streams) bound what the producer is asked for, and the threads refill them.
+    producer = HoldingProducer(source)
+    link = link_factory(producer.endpoint, streams=2, in_flight=5)
+    try:
+        rows = np.array([[1, 4096, 512]], dtype=np.int64)
+        dests = [np.zeros(512, np.uint8) for _ in range(23)]
+        replies = await asyncio.gather(*(_read(link, rows, [d]) for d in dests))
+        assert all(isinstance(r, ReadData) and r.nbytes == 512 for r in replies)
+        for dest in dests:
+            np.testing.assert_array_equal(dest, source[1, 4096 : 4096 + 512])
+        assert producer.reads == 23
+        assert producer.most_held == 5
     finally:
         await link.close()
         producer.close()

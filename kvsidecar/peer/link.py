@@ -4,7 +4,8 @@ A DEALER socket with a reader task that matches replies to requests by id carrie
 handshakes and notifications. The ZMQ plane's reads go over the link's data streams
 (`kvsidecar.peer.streams.DataStream`, ``peer_streams`` of them, opened at the first read): each
 its own connection and thread, receiving data frames straight into the destination buffers.
-`PeerLink.read` spreads chunks over them, at most ``max_in_flight`` at once per link.
+`PeerLink.read` spreads chunks over them; ``max_in_flight`` is split between the streams as their
+windows (chunks sent and unanswered), which the streams' threads keep full themselves.
 
 A socket monitor turns a dropped TCP connection (the producer died) into an immediate
 `PeerGone` for every request in flight, instead of waiting for their timeouts; each stream
@@ -53,16 +54,17 @@ class PeerLink:
         streams: int = 1,
     ) -> None:
         self.endpoint = endpoint
-        self.slots = asyncio.Semaphore(max_in_flight)
-        """Read chunks in flight on this link (shared by every pull to this peer)."""
         self.closed = False
         self._ctx = ctx
         self._curve = curve
-        self._stream_count = streams
+        # Read chunks in flight on this link (shared by every pull to this peer), split between
+        # the streams: never more streams than chunks, so that every stream's window is >= 1.
+        self._stream_count = max(1, min(streams, max_in_flight))
+        self._max_in_flight = max_in_flight
         self._streams: list[DataStream] = []
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # Bounded both ways: requests are bounded by ``slots`` anyway, and a remote that sends
+        # Bounded both ways: reads are bounded by the streams' windows, and a remote that sends
         # more than was asked for is throttled by TCP instead of growing this daemon's memory.
         self._sock.setsockopt(zmq.SNDHWM, _LINK_HWM)
         self._sock.setsockopt(zmq.RCVHWM, _LINK_HWM)
@@ -128,9 +130,16 @@ class PeerLink:
         """
         self._check_usable()
         if not self._streams:
+            n, total = self._stream_count, self._max_in_flight
             self._streams = [
-                DataStream(self._ctx, self.endpoint, curve=self._curve, name=f"{i}")
-                for i in range(self._stream_count)
+                DataStream(
+                    self._ctx,
+                    self.endpoint,
+                    window=total // n + (1 if i < total % n else 0),
+                    curve=self._curve,
+                    name=f"{i}",
+                )
+                for i in range(n)
             ]
         stream = min(self._streams, key=lambda s: s.in_flight)
         stream.in_flight += 1

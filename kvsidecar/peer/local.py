@@ -47,7 +47,6 @@ class LocalLink(PeerLink):
 
     def __init__(self, service: PeerService) -> None:  # no super(): there is no socket
         self.endpoint = ""
-        self.slots = asyncio.Semaphore(1 << 16)
         self.closed = False
         self._connected = True  # `connected` stays true: no stream can break
         self._streams = []

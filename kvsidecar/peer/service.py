@@ -112,6 +112,10 @@ class PeerService:
         self._zap: ZapHandler | None = None  # security: authenticates peers on the endpoint
         self._transport: Transport | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._plain: zmq.Socket[Any] | None = None
+        """A plain (blocking-API) shadow of ``_sock`` for replies: the asyncio socket's ``send``
+        creates a future per frame even when the send cannot wait (a quarter of the producer's
+        loop time serving 1 GiB pulls)."""
         self._links: dict[str, PeerLink] = {}
         # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
         self._local_link = LocalLink(self)
@@ -180,6 +184,7 @@ class PeerService:
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         zmqio.bind_or_close(sock, endpoint, "peer endpoint")
         self._sock = sock
+        self._plain = zmq.Socket.shadow(sock.underlying)
 
     async def close(self) -> None:
         """Close every link and the peer socket; release the NIXL registrations."""
@@ -192,6 +197,7 @@ class PeerService:
         self._links.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
         if self._sock is not None:
+            self._plain = None  # a shadow: closed with the socket it shadows
             self._sock.close(linger=0)
             self._sock = None
         await close_zap_and_context(self._zap, self._ctx)  # security
@@ -278,11 +284,11 @@ class PeerService:
 
     def _reply(self, ident: bytes, frames: list[Any]) -> None:
         """Queue a reply without waiting: a peer that does not read loses its replies."""
-        assert self._sock is not None
+        assert self._plain is not None
         try:
-            # The blocking socket's send: the asyncio one would wait for room, holding every
-            # other peer's replies behind a peer that never reads.
-            zmq.Socket.send_multipart(self._sock, [ident, *frames], flags=zmq.NOBLOCK, copy=False)
+            # The plain socket's send, never waiting: the asyncio one would wait for room,
+            # holding every other peer's replies behind a peer that never reads.
+            zmqio.send_frames(self._plain, [ident, *frames])
         except zmq.Again:
             self.replies_dropped_total += 1
             self._warn_once_a_minute(
