@@ -239,9 +239,12 @@ async def test_a_chunk_given_up_is_never_written(
         producer.close()
 
 
+@pytest.mark.parametrize("in_flight", [16, 3])
 async def test_producer_gone_mid_stream_fails_every_read_in_flight(
-    source: np.ndarray, link_factory: Callable[..., PeerLink]
+    source: np.ndarray, link_factory: Callable[..., PeerLink], in_flight: int
 ) -> None:
+    # 16: all 12 reads are sent; 3: windows of one read per stream, so when the producer goes,
+    # 3 reads wait for answers and 5 are still queued on the streams: all 8 fail at once.
     answered = threading.Event()
 
     def answer_four(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
@@ -251,7 +254,7 @@ async def test_producer_gone_mid_stream_fails_every_read_in_flight(
         return honest(msg, ranges, src)
 
     producer = Producer(source, answer_four)
-    link = link_factory(producer.endpoint, streams=3, in_flight=16)
+    link = link_factory(producer.endpoint, streams=3, in_flight=in_flight)
     rows = np.array([[0, 0, 1 << 16]], np.int64)
     try:
         dests = [np.zeros(1 << 16, np.uint8) for _ in range(12)]
