@@ -2,8 +2,8 @@
 
 Its own pair of daemons (the producer dies), ZMQ plane, one chunk in flight so that the pull of
 256 MiB is certainly still running when the producer is killed. The pull carries two requests:
-when the producer dies, one has a chunk in flight and the other waits for the link's slot; both
-must fail at once (docs/reliability.md), not the waiting one at the pull's timeout.
+when the producer dies, one has a chunk in flight and the other waits behind the stream's window;
+both must fail at once (docs/reliability.md), not the waiting one at the pull's timeout.
 """
 
 from __future__ import annotations

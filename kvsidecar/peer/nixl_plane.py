@@ -8,7 +8,9 @@ layer's base address travel in the handshake (`PeerWelcome.nixl_metadata`,
 
 A read plan becomes one READ transfer: local descriptors (our buffer + destination offset) and
 remote descriptors (their base address + range offset), polled until done or the deadline. The
-producer's daemon is not involved per read; the notification goes over the peer connection.
+producer's daemon is not involved per read; the notification goes over the peer connection. The
+transfer is posted from a thread, never from the event loop: over UCX's TCP and shared-memory
+transports posting it moves the bytes.
 """
 
 from __future__ import annotations
@@ -113,9 +115,21 @@ class NixlPlane(DataPlane):
             agent.get_xfer_descs(remote.astype(np.uint64), "DRAM"),
             target.remote_agent,
         )
+        # transfer() may move every byte before it returns (UCX over TCP or shared memory
+        # does: 2-5 ms for 16 MiB here), so it runs on a thread (the binding releases the GIL)
+        # and the loop keeps serving everyone else meanwhile.
+        posting = loop.run_in_executor(None, agent.transfer, handle)
+        try:
+            state = await asyncio.shield(posting)
+        except asyncio.CancelledError:
+            # The thread still holds the handle: it is released once the thread is done.
+            posting.add_done_callback(lambda _: self._release(handle, False))
+            raise
+        except BaseException:
+            self._release(handle, False)
+            raise
         done = False
         try:
-            state = agent.transfer(handle)
             pause = 50e-6
             while state != "DONE":
                 if state == "ERR":
