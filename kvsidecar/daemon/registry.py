@@ -227,6 +227,20 @@ class Registry:
             raise SidecarError("unknown_worker", f"no worker {ref.label()} is registered")
         return worker
 
+    def rank_worker(self, engine_id: str, tp_rank: int, pp_rank: int) -> Worker | None:
+        """Return the engine's worker of these TP and PP ranks (any DCP rank), or None."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return None
+        return next(
+            (
+                w
+                for w in engine.workers.values()
+                if (w.ref.tp_rank, w.ref.pp_rank) == (tp_rank, pp_rank)
+            ),
+            None,
+        )
+
     def buffer_set(self, ref: BufferSetRef) -> BufferSet:
         """Resolve one side of a move (``stale_epoch`` if it names an earlier registration)."""
         worker = self.worker(ref.worker)

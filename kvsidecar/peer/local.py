@@ -101,14 +101,8 @@ class LocalPlane(DataPlane):
         refused = self._service.producer.readable(target.engine_id, target.request_id)
         if refused is not None:
             raise PeerRefused(refused)
-        worker = next(
-            (
-                w
-                for w in self._registry.workers.values()
-                if w.ref.engine_id == target.engine_id
-                and (w.ref.tp_rank, w.ref.pp_rank) == (plan.remote_tp_rank, plan.remote_pp_rank)
-            ),
-            None,
+        worker = self._registry.rank_worker(
+            target.engine_id, plan.remote_tp_rank, plan.remote_pp_rank
         )
         if worker is None:
             raise PeerGone(f"producer rank tp{plan.remote_tp_rank} of {target.engine_id} is gone")

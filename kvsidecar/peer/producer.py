@@ -187,15 +187,7 @@ class Producer:
             return PeerError(
                 id=msg.id, code="expired", message=f"request {msg.request_id!r} {why}"
             ), []
-        worker = next(
-            (
-                w
-                for w in self.registry.workers.values()
-                if w.ref.engine_id == msg.engine_id
-                and (w.ref.tp_rank, w.ref.pp_rank) == (msg.tp_rank, msg.pp_rank)
-            ),
-            None,
-        )
+        worker = self.registry.rank_worker(msg.engine_id, msg.tp_rank, msg.pp_rank)
         if worker is None:
             return PeerError(
                 id=msg.id,
