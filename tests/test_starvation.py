@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from kvsidecar.client import SidecarClient, SidecarError
+from kvsidecar.daemon.config import Config
 from kvsidecar.peer.messages import ReadBlocks
 from tests.support.attack import Attacker, defence_events, http_status
 from tests.support.children import WorkerProcess, workers
@@ -132,9 +133,8 @@ def _wait_released(endpoint: str, engine: str, timeout: float) -> float:
     raise TimeoutError(f"{engine} still registered after {timeout} s")
 
 
-def test_peer_flood_neither_stalls_nor_grows() -> None:
-    """Hellos (never read), notifications for made-up requests and garbage on the peer socket:
-    the control socket keeps answering, /healthz stays 200, memory stays bounded."""
+def _peer_setup() -> tuple[Config, dict[str, Any]]:
+    """A daemon config with a plain loopback peer endpoint, and one small worker's spec for it."""
     config = make_config(peer_endpoint=tcp_endpoint(), insecure=True, peer_data_plane="zmq")
     spec = {
         "endpoint": config.endpoint,
@@ -146,6 +146,13 @@ def test_peer_flood_neither_stalls_nor_grows() -> None:
         "head_size": 8,
         "seed": 1,
     }
+    return config, spec
+
+
+def test_peer_flood_neither_stalls_nor_grows() -> None:
+    """Hellos (never read), notifications for made-up requests and garbage on the peer socket:
+    the control socket keeps answering, /healthz stays 200, memory stays bounded."""
+    config, spec = _peer_setup()
     with daemon_process(config) as d, workers([spec]):
         with SidecarClient(config.endpoint, heartbeat=False, timeout_s=SLOW) as c:
             metrics_port = c.daemon.metrics_port
@@ -180,17 +187,7 @@ def test_peer_flood_neither_stalls_nor_grows() -> None:
 def test_peer_read_ranges_cannot_overflow() -> None:
     """A raw peer asks a producer for ranges whose end does not fit in 64 bits: refused with
     ``out_of_range`` (the sum used to wrap negative and pass), while a valid range is served."""
-    config = make_config(peer_endpoint=tcp_endpoint(), insecure=True, peer_data_plane="zmq")
-    spec = {
-        "endpoint": config.endpoint,
-        "engine": "e",
-        "layers": 1,
-        "blocks": 8,
-        "block_size": 4,
-        "heads": 2,
-        "head_size": 8,
-        "seed": 1,
-    }
+    config, spec = _peer_setup()
     ctx: zmq.Context[Any] = zmq.Context()
     with daemon_process(config), workers([spec]):
         with SidecarClient(config.endpoint, heartbeat=False) as c:
