@@ -46,10 +46,17 @@ class NixlPlane(DataPlane):
     name = "nixl"
 
     def __init__(self, agent_name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.agent_name = agent_name
-        self._agent: Any = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # The agent is used from the loop and from the thread that posts transfers (`read`):
+        # without a listener thread NIXL's default is no locking at all. RW mode lets the data
+        # path (transfers, their states) run concurrently and makes registrations and metadata
+        # loads exclusive.
+        config = nixl_agent_config(
+            backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+        )
+        self._agent: Any = nixl_agent(agent_name, config)
         # NIXL installs its own stdout handler at INFO on import; route its records through ours
         # so --log-level and --log-format json apply to them too.
         nixl_log = logging.getLogger("nixl")
