@@ -82,21 +82,15 @@ def _settings(pairs: list[str]) -> dict[str, object]:
 _serial = itertools.count()
 
 
-def _pull(
-    pc: SidecarClient,
-    cc: SidecarClient,
-    endpoint: str,
-    ids: list[int],
-    start: list[float] | None = None,
-) -> Any:
-    """Publish a fresh request on the producer, then pull it (the clock, if any, starts after)."""
+def _pull(pc: SidecarClient, cc: SidecarClient, endpoint: str, ids: list[int]) -> tuple[Any, float]:
+    """Publish a fresh request on the producer, then pull it; (the reply, seconds of the pull)."""
     rid = f"r{next(_serial)}"
     pc.publish("p", rid, ids)
-    if start is not None:
-        start[0] = time.perf_counter()
-    return cc.pull(
+    start = time.perf_counter()
+    pulled = cc.pull(
         "c", endpoint, "p", {"r": (ids, ids)}, remote_request_ids={"r": rid}, plane="zmq"
     )
+    return pulled, time.perf_counter() - start
 
 
 def main() -> int:
@@ -141,7 +135,7 @@ def main() -> int:
             dst = allocate_kv_caches(layers, shape, torch.float16)
             cc = stack.enter_context(SidecarClient(ep, timeout_s=120))
             cc.register_kv_caches({f"l{i}": t for i, t in enumerate(dst)}, engine_id="c")
-            pulled = _pull(pc, cc, endpoint, ids)
+            pulled, _ = _pull(pc, cc, endpoint, ids)
             same = all(
                 torch.equal(s.view(torch.int16), d.view(torch.int16))
                 for s, d in zip(src, dst, strict=True)
@@ -158,9 +152,8 @@ def main() -> int:
         for r in range(args.rounds):
             line = []
             for name, cc in clients.items():
-                start = [0.0]
-                pulled = _pull(pc, cc, endpoint, ids, start)
-                rates.setdefault(name, []).append(nbytes / (time.perf_counter() - start[0]) / 1e9)
+                pulled, seconds = _pull(pc, cc, endpoint, ids)
+                rates.setdefault(name, []).append(nbytes / seconds / 1e9)
                 if pulled.failed:
                     raise RuntimeError(pulled)
             if raw_stream is not None:
