@@ -254,6 +254,44 @@ async def test_status_is_answered_while_a_1gib_move_runs() -> None:
         assert torch.equal(caches[3][:, blocks - 2 :], caches[3][:, :2])
 
 
+async def test_short_move_on_blocks_of_a_running_move_applies_after_it() -> None:
+    """A 1-block move (short enough to run on the loop) waits for a running move it conflicts with.
+
+    The large offload writes host block ``last`` late in its copy (last layer, last block); a
+    1-block move into that very block, sent right behind it, must apply after it (arrival
+    order), so the host block ends with the short move's bytes in its layer and the offload's in
+    the others. Run at once on the loop, the short move would be overwritten by the offload.
+    A short move on blocks nobody touches runs meanwhile and is right too.
+    """
+    blocks, layers = 256, 16
+    shape = (2, blocks, 16, 8, 128)  # 64 KiB of K+V per block and layer: 256 MiB in all
+    config = make_config(host_pool_bytes=(256 << 20) + (1 << 20), copy_threads=2)
+    caches = await asyncio.to_thread(allocate_kv_caches, layers, shape, torch.float16)
+    for i, layer in enumerate(caches):  # every block of every layer tells itself apart
+        layer.copy_(torch.arange(blocks, dtype=torch.float16).view(1, blocks, 1, 1, 1) + 300 * i)
+    async with run_daemon(config), AsyncSidecarClient(config.endpoint) as c:
+        await c.register_kv_caches(
+            {f"l{i}": t for i, t in enumerate(caches)}, engine_id="e", host_blocks=blocks + 1
+        )
+        host_ids = np.asarray(await c.host_alloc("e", blocks + 1))
+        ids, spare = host_ids[:blocks], host_ids[blocks:]
+        device, host = BufferSetRef(c.worker), BufferSetRef(c.worker, "host")
+        last, other = int(ids[-1]), layers - 1
+        big = asyncio.ensure_future(c.offload(c.worker, list(range(blocks)), ids))
+        short = asyncio.ensure_future(
+            c.move(device, host, [5], [last], layers=[f"l{other}"])  # block 5 into the last
+        )
+        disjoint = await c.move(device, host, [9], spare, layers=["l0"])
+        assert disjoint.blocks == 1
+        await asyncio.gather(big, short)
+        # Read the host blocks back into device blocks 0 and 1.
+        await c.move(host, device, [last, int(spare[0])], [0, 1])
+    for i, layer in enumerate(caches):
+        want = (5 if i == other else blocks - 1) + 300 * i
+        assert torch.all(layer[:, 0] == want), f"layer {i}: the short move lost to the offload"
+    assert torch.all(caches[0][:, 1] == 9)
+
+
 async def test_silent_worker_loses_its_lease() -> None:
     """A live worker that stops heartbeating is released after the lease, fd channel open."""
     config = make_config(lease_s=0.5)

@@ -96,3 +96,24 @@ async def test_failure_reaches_the_caller() -> None:
         assert ex.in_flight == 0
     finally:
         ex.shutdown(wait=True)
+
+
+async def test_free_only_when_no_job_in_flight_conflicts() -> None:
+    """`free`: a short job may run on the loop only on blocks no job in flight shares."""
+    ex = CopyExecutor(1)
+    gate = threading.Event()
+    try:
+        assert ex.free(reads={}, writes={"b": IDS})  # idle
+        held = ex.submit(lambda: gate.wait(5), reads={"a": IDS}, writes={"b": IDS})
+        assert not ex.free(reads={}, writes={"b": IDS[:1]})  # write after write
+        assert not ex.free(reads={"b": IDS[1:]}, writes={})  # read after write
+        assert not ex.free(reads={}, writes={"a": IDS})  # write after read
+        assert ex.free(reads={"a": IDS}, writes={"c": IDS})  # reads share, writes do not
+        assert ex.free(reads={}, writes={"b": np.array([7], dtype=np.int64)})  # other blocks
+        gate.set()
+        await held
+        assert ex.free(reads={}, writes={"b": IDS})
+    finally:
+        gate.set()
+        ex.shutdown(wait=True)
+    assert not ex.free(reads={}, writes={"z": IDS})  # shut down: nothing runs any more

@@ -28,7 +28,14 @@ import torch
 
 from kvsidecar.core.mover import MoveError, RunPlan
 
-__all__ = ["copy_groups", "copy_runs", "copy_small", "cpu_groups", "default_copy_threads"]
+__all__ = [
+    "copy_groups",
+    "copy_runs",
+    "copy_small",
+    "cpu_groups",
+    "default_copy_threads",
+    "group_row_bytes",
+]
 
 _IdArray: TypeAlias = "npt.NDArray[np.int64]"
 _Bytes: TypeAlias = "npt.NDArray[np.uint8]"
@@ -164,7 +171,7 @@ def copy_small(
     `copy_runs` checks (the runs fit both sides). Returns the bytes copied.
     """
     _copy_numpy(groups, [s for s, _, _ in runs], [d for _, d, _ in runs], [n for _, _, n in runs])
-    return _group_row_bytes(groups) * sum(n for _, _, n in runs)
+    return group_row_bytes(groups) * sum(n for _, _, n in runs)
 
 
 def copy_groups(
@@ -179,14 +186,14 @@ def copy_groups(
     dominates moves of a few MiB); the caller has checked that the plan fits both sides.
     Large moves use the same helper threads as `copy_runs`. Returns the bytes copied.
     """
-    total = _group_row_bytes(groups) * plan.num_blocks
+    total = group_row_bytes(groups) * plan.num_blocks
     if total:
         _run_cpu(groups, plan, default_copy_threads() if threads is None else threads, total)
     return total
 
 
-def _group_row_bytes(groups: Sequence[_BytePair]) -> int:
-    """Bytes one block id moves across all groups (a 3-D group is layers x row bytes)."""
+def group_row_bytes(groups: Sequence[_BytePair]) -> int:
+    """Bytes one block id moves across `cpu_groups` (a 3-D group is layers x row bytes)."""
     return sum(src.shape[1] if src.ndim == 2 else src.shape[0] * src.shape[2] for src, _ in groups)
 
 

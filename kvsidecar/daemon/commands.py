@@ -206,15 +206,37 @@ class Commands:
         track: Callable[[asyncio.Future[Reply]], None] | None = None,
         build: Callable[[int], Reply] | None = None,
     ) -> asyncio.Future[Reply]:
-        """Submit a checked job and answer it through ``respond``; returns its outcome.
+        """Run a checked job and answer it through ``respond``; returns its outcome.
 
         ``build`` makes the reply of a job that ran (given the request id) instead of the
         `Moved` (or `Fixed`) made from the job's fields: a batch's `MovedBatch`.
 
+        A short CPU job (`Job.inline`) on blocks no job in flight touches runs right here, on
+        the loop (`_run_here`); any other goes to the executor (`_submit`).
+        """
+        assert self._executor is not None
+        if job.inline and self._executor.free(reads=job.reads, writes=job.writes):
+            return self._run_here(
+                job, request_id, move=move, respond=respond, track=track, build=build
+            )
+        return self._submit(job, request_id, move=move, respond=respond, track=track, build=build)
+
+    def _submit(
+        self,
+        job: Job,
+        request_id: int,
+        *,
+        move: bool,
+        respond: ReplySink,
+        track: Callable[[asyncio.Future[Reply]], None] | None,
+        build: Callable[[int], Reply] | None,
+    ) -> asyncio.Future[Reply]:
+        """Submit a checked job to the executor (`_run_job`); returns its outcome.
+
         A job that succeeds is answered from its copy thread, right after the copy: waking the
-        event loop first would add a thread hand-off to every short move's round trip. The loop
-        still settles it (counts, ``track``: metrics and completions) before it handles any
-        later request (`CopyExecutor.settle_finished`). Every other outcome (failure, a worker
+        event loop first would add a thread hand-off to every move's round trip. The loop still
+        settles it (counts, ``track``: metrics and completions) before it handles any later
+        request (`CopyExecutor.settle_finished`). Every other outcome (failure, a worker
         released meanwhile, shutdown) is answered from the loop. Completion is a chain of
         callbacks, not a task: on a 1-block move a task's loop iterations cost as much as the
         copy.
@@ -270,9 +292,53 @@ class Commands:
 
         # Claim the blocks now, synchronously, so that arrival order is application order.
         pending = self._executor.submit(
-            job.run, reads=job.reads, writes=job.writes, on_done=finish, on_thread=on_thread
+            job.run,
+            reads=job.reads,
+            writes=job.writes,
+            on_done=finish,
+            on_thread=on_thread,
         )
         self._jobs[pending] = job.workers
+        return outcome
+
+    def _run_here(
+        self,
+        job: Job,
+        request_id: int,
+        *,
+        move: bool,
+        respond: ReplySink,
+        track: Callable[[asyncio.Future[Reply]], None] | None,
+        build: Callable[[int], Reply] | None,
+    ) -> asyncio.Future[Reply]:
+        """Run a short job on the loop, answer it, then do its bookkeeping; returns its outcome.
+
+        A success is answered first (``early``, unless ``respond`` declines that): counts,
+        metrics and completions are done after the send, while the reply travels, and still
+        before the loop reads any later request. No worker can be released and no other job can
+        start while this runs, so there is neither admission nor a worker check to do.
+        """
+        started = time.perf_counter()
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        try:
+            nbytes = job.run()
+        except Exception as exc:  # as from a copy thread: handed on to the reply
+            if move:
+                self.moves_failed_total += 1
+            if not isinstance(exc, SidecarError):
+                log.error("request %d failed", request_id, exc_info=exc)
+            outcome.set_exception(exc.with_traceback(None))
+        else:
+            reply = self._success_reply(
+                job, request_id, nbytes, owners={}, move=move, started=started, build=build
+            )
+            respond.send(reply, early=True)
+            self._count(reply, request_id)
+            outcome.set_result(reply)
+        if track is not None:
+            track(outcome)
+        if respond.claim() is None:  # not sent early: answered after the bookkeeping
+            respond.deliver(reply_of(outcome, request_id))
         return outcome
 
     def _success_reply(
@@ -368,10 +434,12 @@ class ReplySink(Protocol):
     decide the reply afterwards, knowing that no copy thread can answer in between.
     """
 
-    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
         """Send ``reply`` unless the reply is claimed already; True if this call sent it.
 
-        ``from_thread``: called on a copy thread rather than on the event loop.
+        ``from_thread``: called on a copy thread rather than on the event loop. ``early``: on
+        the loop, before the job's bookkeeping. A sink may decline either (returns False); the
+        loop then `claim` s and `deliver` s after the bookkeeping.
         """
         ...
 

@@ -120,8 +120,12 @@ class ReplyTo:
         self._claimed = False
         self._sent: Reply | None = None
 
-    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
-        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
+    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it.
+
+        ``early`` (ahead of the loop's bookkeeping) makes no difference here: a client gets its
+        reply as soon as there is one.
+        """
         with self._lock:
             if self._claimed:
                 return False
@@ -253,8 +257,6 @@ class Edge:
         if large and not self.reply_budget.take(size):
             reply = Error(id=reply.id, code="busy", message=_no_room(size, self.reply_budget.limit))
             header, data, large = msgspec.msgpack.encode(reply), (), False
-        if command:  # metrics: every answered command, by type and result, with its latency
-            self.observability.command(command, reply, started)
         if isinstance(reply, Error):
             self.errors_total += 1
         with self._sock_lock:
@@ -271,7 +273,11 @@ class Edge:
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
                 if large:
                     self.reply_budget.give_back(size)
-                return
+                trackers, large, pending = [], False, False
+        # Metrics after the send, off the reply's way: every answered command, by type and
+        # result, with its latency up to the send.
+        if command:
+            self.observability.command(command, reply, started)
         if large:
             self.reply_budget.track(trackers, size)
         if pending:
@@ -333,11 +339,13 @@ class Edge:
             reply, data = result
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
-            self._replies.add(result)
-            # answered by `Commands._run_job`
+            # answered by `Commands._run_job` (already, when the job ran inline)
             if isinstance(request, Move | FixLayout | MoveBatch | CacheStore | CacheLoad):
-                result.add_done_callback(self._replies.discard)
+                if not result.done():
+                    self._replies.add(result)
+                    result.add_done_callback(self._replies.discard)
                 return
+            self._replies.add(result)
 
             def answer(outcome: asyncio.Future[Reply]) -> None:
                 self._replies.discard(outcome)

@@ -1,4 +1,4 @@
-"""The copy executor: runs block copies on threads, in a safe order, never on the event loop.
+"""The copy executor: runs block copies on threads, in a safe order; says when one may run now.
 
 torch copies release the GIL, so a copy on a worker thread leaves the event loop free to answer
 status requests and heartbeats while gigabytes move.
@@ -144,11 +144,7 @@ class CopyExecutor:
         """
         loop = asyncio.get_running_loop()
         job = _Job(reads, writes)
-        before = [
-            j
-            for j in self._active
-            if _overlap(j.writes, writes) or _overlap(j.writes, reads) or _overlap(j.reads, writes)
-        ]
+        before = self._conflicting(reads, writes)
         self._active.append(job)
         result: asyncio.Future[T] = loop.create_future()
         work = _Work(job, fn, result, on_done, on_thread, loop)
@@ -173,6 +169,24 @@ class CopyExecutor:
             earlier.then.append(earlier_done)
         result.add_done_callback(cancelled)
         return result
+
+    def free(self, *, reads: BlockSets, writes: BlockSets) -> bool:
+        """Whether a job on these blocks may run right now, on the caller's (the loop's) thread.
+
+        True when no job in flight conflicts with it and the executor is open: such a job,
+        run to the end before the loop does anything else, keeps arrival order as `submit`
+        would (any later job is submitted after it has finished). For copies shorter than the
+        hand-off to a copy thread and back (two wake-ups, ~30 µs of a 1-block move's round trip).
+        """
+        return not self._closing and not (self._active and self._conflicting(reads, writes))
+
+    def _conflicting(self, reads: BlockSets, writes: BlockSets) -> list[_Job]:
+        """Jobs in flight that share a block with these reads and writes, one of them a write."""
+        return [
+            j
+            for j in self._active
+            if _overlap(j.writes, writes) or _overlap(j.writes, reads) or _overlap(j.reads, writes)
+        ]
 
     def _start(self, work: _Work) -> None:
         if work.result.done():  # cancelled while it waited: `cancelled` has finished it

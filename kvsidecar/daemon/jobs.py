@@ -46,6 +46,14 @@ class Job:
     """Workers whose memory the job touches (their release waits for it)."""
     verification: integrity.Verification | None = None
     """Set when the move is checksummed end to end; filled by ``run``."""
+    inline: bool = False
+    """Short enough to run on the event loop (`CopyExecutor.submit`'s ``inline``)."""
+
+
+INLINE_MAX_BYTES = 128 << 10
+"""Plain CPU moves up to this size run on the event loop instead of a copy thread: copying
+128 KiB takes about as long as the hand-off to a thread and back (two wake-ups, ~30 µs), which
+is most of a 1-block move's time in the daemon. The loop is held no longer than that."""
 
 
 def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
@@ -175,6 +183,8 @@ class _PairPlan:
     cpu_groups: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
     """`copier.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
     copies through these, small ones with `copier.copy_small`, larger with `copier.copy_groups`."""
+    block_bytes: int
+    """Bytes one block id moves over the ``cpu_groups`` (0 without them)."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
     cuda_devices: tuple[int, ...]
@@ -199,6 +209,7 @@ def _pair_plan(
     ratio = ratios.pop()
     src_views = [v for n in names for v in src.layers[n].block_views]
     dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
+    groups = copier.cpu_groups(src_views, dst_views) if ratio == 1 else None
     plan = _PairPlan(
         names=names,
         ratio=ratio,
@@ -207,7 +218,8 @@ def _pair_plan(
             for n in names
             if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
         ],
-        cpu_groups=copier.cpu_groups(src_views, dst_views) if ratio == 1 else None,
+        cpu_groups=groups,
+        block_bytes=0 if groups is None else copier.group_row_bytes(groups),
         src_views=src_views,
         dst_views=dst_views,
         cuda_devices=tuple(
@@ -264,8 +276,10 @@ def move_job(
     copy: Callable[[], int]
     # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
     groups = pair.cpu_groups
+    inline = False
     if groups is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
         runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
+        inline = not fixes and pair.block_bytes * src_ids.size <= INLINE_MAX_BYTES
 
         def copy() -> int:
             return copier.copy_small(groups, runs)
@@ -311,6 +325,7 @@ def move_job(
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
         verification=verification,
+        inline=inline,
     )
 
 

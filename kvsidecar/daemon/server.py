@@ -8,12 +8,14 @@ The event loop only does I/O and bookkeeping: requests are decoded and checked h
 run on the `CopyExecutor`. Requests that finish without waiting (status, heartbeat, host
 alloc/free, every validation error) are answered inline, in arrival order. Moves and fixes are
 checked inline and their blocks claimed on the executor at once, so moves on the same blocks
-apply in arrival order. A move that succeeds is answered from the copy thread that ran it (the
-socket is shared under a lock): waking the loop first would add a thread hand-off to every
-short move. The loop settles it (counts, metrics, completions) before it reads any later request,
-and answers every other outcome from the executor's completion callback (no task: on a 1-block
-move a task's loop iterations cost as much as the copy). The rest (register, unregister, pulls)
-become tasks.
+apply in arrival order. The one exception is a CPU move of at most 128 KiB on blocks no job in
+flight touches: it is copied right on the loop and answered before its bookkeeping, since the
+copy takes less than the hand-off to a thread and back (`kvsidecar.daemon.jobs.INLINE_MAX_BYTES`).
+A move that succeeds on a copy thread is answered from that thread (the socket is shared under
+a lock): waking the loop first would add a thread hand-off to every move. The loop settles it
+(counts, metrics, completions) before it reads any later request, and answers every other
+outcome from the executor's completion callback (no task: on a 1-block move a task's loop
+iterations cost as much as the copy). The rest (register, unregister, pulls) become tasks.
 
 The parts live with their owners, each a mixin of `Daemon`: `kvsidecar.daemon.edge` (the
 control socket: reading, checking and answering requests), `kvsidecar.daemon.registration` (hello,
