@@ -86,6 +86,7 @@ def main() -> None:
                 echo.close(linger=0)
                 ctx.term()
     finally:
+        Path(runtime, "echo.sock").unlink(missing_ok=True)
         Path(runtime).rmdir()
 
 
