@@ -40,7 +40,7 @@ from kvsidecar.wire.protocol import Moved, Reply, Status, StatusReply
 class _AfterBookkeeping:
     """A `ReplySink` that answers from the loop, with the reply ``make`` builds from `Moved`.
 
-    An early answer (from the copy thread, or ahead of the bookkeeping) is declined, so
+    The copy thread's early answer is declined (`send` from a thread does nothing), so
     `Commands._run_job` settles the job on the loop, runs its ``track`` (the index update), then
     `deliver` s; errors go through unchanged.
     """
@@ -49,9 +49,9 @@ class _AfterBookkeeping:
         self._respond = respond
         self._make = make
 
-    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
-        """Decline answers before the bookkeeping; otherwise answer (see the class doc)."""
-        if from_thread or early:
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Decline answers from the copy thread; on the loop, answer (see the class doc)."""
+        if from_thread:
             return False
         self.deliver(reply)
         return True

@@ -311,17 +311,20 @@ class Commands:
         track: Callable[[asyncio.Future[Reply]], None] | None,
         build: Callable[[int], Reply] | None,
     ) -> asyncio.Future[Reply]:
-        """Run a short job on the loop, answer it, then do its bookkeeping; returns its outcome.
+        """Run a short job on the loop, do its bookkeeping, then answer it; returns its outcome.
 
-        A success is answered first (``early``, unless ``respond`` declines that): counts,
-        metrics and completions are done after the send, while the reply travels, and still
-        before the loop reads any later request. No worker can be released and no other job can
-        start while this runs, so there is neither admission nor a worker check to do.
+        The bookkeeping (counts, ``track``: metrics and completions) comes first, as on the
+        executor's path, so that the reply is built from it where it needs it (a cache store's)
+        and nothing is left to do once the reply is out. No worker can be released and no other
+        job can start while this runs, so there is neither admission nor a worker check to do.
         """
         started = time.perf_counter()
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         try:
             nbytes = job.run()
+            reply = self._success_reply(
+                job, request_id, nbytes, owners={}, move=move, started=started, build=build
+            )
         except Exception as exc:  # as from a copy thread: handed on to the reply
             if move:
                 self.moves_failed_total += 1
@@ -329,16 +332,11 @@ class Commands:
                 log.error("request %d failed", request_id, exc_info=exc)
             outcome.set_exception(exc.with_traceback(None))
         else:
-            reply = self._success_reply(
-                job, request_id, nbytes, owners={}, move=move, started=started, build=build
-            )
-            respond.send(reply, early=True)
             self._count(reply, request_id)
             outcome.set_result(reply)
         if track is not None:
             track(outcome)
-        if respond.claim() is None:  # not sent early: answered after the bookkeeping
-            respond.deliver(reply_of(outcome, request_id))
+        respond.send(reply_of(outcome, request_id))
         return outcome
 
     def _success_reply(
@@ -434,12 +432,10 @@ class ReplySink(Protocol):
     decide the reply afterwards, knowing that no copy thread can answer in between.
     """
 
-    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
         """Send ``reply`` unless the reply is claimed already; True if this call sent it.
 
-        ``from_thread``: called on a copy thread rather than on the event loop. ``early``: on
-        the loop, before the job's bookkeeping. A sink may decline either (returns False); the
-        loop then `claim` s and `deliver` s after the bookkeeping.
+        ``from_thread``: called on a copy thread rather than on the event loop.
         """
         ...
 

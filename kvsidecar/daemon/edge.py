@@ -120,12 +120,8 @@ class ReplyTo:
         self._claimed = False
         self._sent: Reply | None = None
 
-    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
-        """Send ``reply`` unless the reply is claimed already; True if this call sent it.
-
-        ``early`` (ahead of the loop's bookkeeping) makes no difference here: a client gets its
-        reply as soon as there is one.
-        """
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
         with self._lock:
             if self._claimed:
                 return False
@@ -178,6 +174,8 @@ class Edge:
 
     _read_scheduled = False
     """A call of `_on_readable` is queued on the loop (never more than one: `_schedule_read`)."""
+    _drained = False
+    """The last reply sent from the loop found no request waiting (and re-armed the fd's edge)."""
 
     def _dispatch(
         self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
@@ -223,6 +221,9 @@ class Edge:
         # burst is served in slices so that other callbacks (copy completions, the fd channel,
         # ZAP, timers) run in between; libzmq's fair queueing takes one request per connection
         # in turn, so one client's backlog does not delay another's requests by more than that.
+        # When the reply just sent from the loop found nothing more to read, the callback
+        # returns at once: that check re-armed the edge, and asking again would cost another
+        # option read and receive attempt per request.
         self._read_scheduled = False
         lock = self._sock_lock
         for _ in range(_BURST):
@@ -233,10 +234,13 @@ class Edge:
                 return
             if self._executor is not None:  # moves answered from copy threads are settled first
                 self._executor.settle_finished()
+            self._drained = False
             try:
                 self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
+            if self._drained:
+                return
         self._schedule_read()
 
     def _send(
@@ -259,6 +263,8 @@ class Edge:
             header, data, large = msgspec.msgpack.encode(reply), (), False
         if isinstance(reply, Error):
             self.errors_total += 1
+        if command:  # metrics: every answered command, by type and result, with its latency
+            self.observability.command(command, reply, started)
         with self._sock_lock:
             sock = self._sock
             trackers: list[zmq.MessageTracker] = []
@@ -274,14 +280,12 @@ class Edge:
                 if large:
                     self.reply_budget.give_back(size)
                 trackers, large, pending = [], False, False
-        # Metrics after the send, off the reply's way: every answered command, by type and
-        # result, with its latency up to the send.
-        if command:
-            self.observability.command(command, reply, started)
         if large:
             self.reply_budget.track(trackers, size)
         if pending:
             self._schedule_read(from_thread=from_thread)
+        elif not from_thread:
+            self._drained = True
 
     def _on_message(self, frames: _Frames) -> None:
         ident = frames[0].bytes

@@ -9,7 +9,7 @@ run on the `CopyExecutor`. Requests that finish without waiting (status, heartbe
 alloc/free, every validation error) are answered inline, in arrival order. Moves and fixes are
 checked inline and their blocks claimed on the executor at once, so moves on the same blocks
 apply in arrival order. The one exception is a CPU move of at most 128 KiB on blocks no job in
-flight touches: it is copied right on the loop and answered before its bookkeeping, since the
+flight touches: it is copied right on the loop and answered from there, since the
 copy takes less than the hand-off to a thread and back (`kvsidecar.daemon.jobs.INLINE_MAX_BYTES`).
 A move that succeeds on a copy thread is answered from that thread (the socket is shared under
 a lock): waking the loop first would add a thread hand-off to every move. The loop settles it
