@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.bench import charts
+from kvsidecar.bench import charts, procs
 from kvsidecar.bench.common import RESULT_KEYS, BenchUnavailable, Figure, Options, percentile, table
 from kvsidecar.bench.workload import id_sets
 
@@ -98,6 +98,46 @@ def test_latency_tiny_run(tmp_path: Path) -> None:
     results = check_results(tmp_path / "l.json")
     assert all(r["higher_is_better"] is False and r["unit"] == "µs" for r in results)
     assert any(r["name"] == "latency/1-block move, 1 layer p50" for r in results)
+
+
+def test_latency_pinned_tiny_run(tmp_path: Path) -> None:
+    """``--pin``: the servers on one CPU, the client on another, or a note why not."""
+    out = bench(
+        "latency",
+        *TINY,
+        "--pin",
+        "--rounds",
+        "2",
+        "--batch",
+        "5",
+        "--json",
+        str(tmp_path / "l.json"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        assert f"servers pinned to CPU {cpus[0]}, the client to CPU {cpus[1]}" in out.stdout
+    else:
+        assert "--pin needs two CPUs; not pinned" in out.stdout
+    assert check_results(tmp_path / "l.json")
+
+
+def test_pin_restricts_every_thread_of_a_process() -> None:
+    """`procs.pin` sets each thread's CPUs (a pid's affinity alone is its main thread's)."""
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+    code += "print('ready', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        cpu = min(os.sched_getaffinity(0))
+        procs.pin(child.pid, {cpu})
+        tasks = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tasks) == 2
+        for task in tasks:
+            assert os.sched_getaffinity(int(task)) == {cpu}
+    finally:
+        child.kill()
+        child.wait(10)
 
 
 def test_peer_tiny_run(tmp_path: Path) -> None:

@@ -73,6 +73,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="aggregator: also 8 worker processes against raw zmq, and the /metrics scrape cost",
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="latency: servers (daemon and echoes) on the first CPU, the client on the second",
+    )
     p.add_argument("--json", metavar="FILE", help="write {machine, results} to FILE")
     p.add_argument("--chart", metavar="FILE.png", help="draw the charts (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -45,6 +45,8 @@ class Options:
     ``layers`` K-or-V tensors of ``(num_blocks, *block_shape)`` of ``dtype``; ``blocks`` ids moved
     per layer; ``repeat`` timed rounds (``rounds`` x ``batch`` round trips for latency).
     ``processes``: ``aggregator`` also measures across worker processes (`aggregator_procs`).
+    ``pin``: ``latency`` pins every server (the daemon and the echoes) to one CPU and itself, the
+    client, to another (`kvsidecar.bench.latency`).
     """
 
     layers: int = 32
@@ -61,6 +63,7 @@ class Options:
     peer_data_plane: str = "auto"
     progress: bool = True
     processes: bool = False
+    pin: bool = False
 
     def __post_init__(self) -> None:
         if min(self.layers, self.blocks, self.num_blocks, self.repeat, self.rounds) < 1:

@@ -13,10 +13,17 @@ share the load.
 Each percentile figure is the median over rounds of that round's percentile (its min-max is the
 spread between rounds), compared with its echo's figure from the same rounds: async methods with
 the zmq.asyncio echo, blocking ones with the blocking echo.
+
+With ``--pin`` every server (the daemon and both echoes) runs on the first CPU this process may
+use and the benchmark itself, the client, on the second, the same for all. Unpinned, the 2-vCPU
+VMs' scheduler places the client's, the server's and libzmq's I/O threads differently from one
+round to the next, and a round of the same method takes ~125 or ~225 µs depending on where they
+landed (`benchmarks/probe_idle_gaps.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -55,18 +62,33 @@ def run(opts: Options) -> list[Figure]:
         f"latency: 1-block moves of 1 and {opts.layers} layers, {opts.rounds} rounds x "
         f"{opts.batch} round trips per method"
     )
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = opts.pin and len(cpus) >= 2
+    if opts.pin and not pinned:
+        note("latency: --pin needs two CPUs; not pinned")
     runtime = tempfile.mkdtemp(prefix="kvsb-echo-", dir="/tmp")
     echo_ep = f"ipc://{runtime}/echo.sock"
     blocking_ep = f"ipc://{runtime}/echo-blocking.sock"
     try:
         with (
-            procs.echo_server(echo_ep),
-            procs.echo_server(blocking_ep, blocking=True),
-            procs.daemon(peer_data_plane=opts.peer_data_plane) as (endpoint, _),
+            procs.echo_server(echo_ep) as echo_pid,
+            procs.echo_server(blocking_ep, blocking=True) as blocking_pid,
+            procs.daemon(peer_data_plane=opts.peer_data_plane) as (endpoint, daemon),
             engines(endpoint, opts, num_blocks=64) as eng,
         ):
             src, dst = eng.a_dev, eng.b_dev
-            samples = procs.run_async(_measure(opts, endpoint, (echo_ep, blocking_ep), src, dst))
+            measure = _measure(opts, endpoint, (echo_ep, blocking_ep), src, dst)
+            if not pinned:
+                samples = procs.run_async(measure)
+            else:
+                note(f"latency: servers pinned to CPU {cpus[0]}, the client to CPU {cpus[1]}")
+                for pid in (echo_pid, blocking_pid, daemon.pid):
+                    procs.pin(pid, {cpus[0]})
+                procs.pin(os.getpid(), {cpus[1]})
+                try:
+                    samples = procs.run_async(measure)
+                finally:
+                    procs.pin(os.getpid(), set(cpus))
     finally:
         for name in ("echo.sock", "echo-blocking.sock"):
             Path(runtime, name).unlink(missing_ok=True)

@@ -120,8 +120,8 @@ def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: float =
 
 
 @contextlib.contextmanager
-def echo_server(endpoint: str, *, blocking: bool = False) -> Iterator[None]:
-    """Run a raw ROUTER echo in its own process: the latency baseline.
+def echo_server(endpoint: str, *, blocking: bool = False) -> Iterator[int]:
+    """Run a raw ROUTER echo in its own process: the latency baseline; yields its pid.
 
     zmq.asyncio on uvloop (the daemon's own pattern), or with ``blocking`` a plain blocking
     pyzmq receive/send loop (the fastest a Python server answers; the blocking client's match).
@@ -137,7 +137,7 @@ def echo_server(endpoint: str, *, blocking: bool = False) -> Iterator[None]:
     try:
         if proc.stdout is None or proc.stdout.readline().strip() != "ready":
             raise RuntimeError("echo server did not start")
-        yield
+        yield proc.pid
     finally:
         stop(proc, 10)
 
@@ -155,6 +155,17 @@ async def _echo(endpoint: str) -> None:
     while True:
         frames = await sock.recv_multipart(copy=False)
         await sock.send_multipart(frames, copy=False)
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Restrict every thread of process ``pid`` to ``cpus`` (threads it starts later inherit).
+
+    ``sched_setaffinity`` of a pid applies to that one thread, so each task of the process is
+    set; a thread that ended meanwhile is skipped.
+    """
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cpus)
 
 
 def run_echo_server(endpoint: str, *, blocking: bool = False) -> None:
