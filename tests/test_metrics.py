@@ -597,3 +597,83 @@ def test_metrics_live_only_on_the_injected_registry() -> None:
     assert info[0].labels["version"] == "9.9.9" and info[0].labels["torch"]
     with pytest.raises(ValueError):  # a second set on one registry is a clash, not a silent merge
         DaemonMetrics(first)
+
+
+# --------------------------------------------------------------------------------------------------
+# (6) the hot-path tally: prometheus_client's own histogram as the reference
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tally_matches_prometheus_client_buckets_and_sums() -> None:
+    """Commands and move durations land in the buckets prometheus_client's Histogram picks.
+
+    Values on a bound, between bounds, below the first, above the last, zero and negative
+    (clamped to 0): the exported buckets, count and sum equal a reference `Histogram`'s.
+    """
+    from prometheus_client import Histogram
+
+    from kvsidecar.daemon.metrics import COMMAND_DURATION_BUCKETS, MOVE_DURATION_BUCKETS
+
+    values = [0.0, -1.0, 1e-9, 0.000025, 0.00003, 0.0001, 0.00025, 0.0049, 0.25, 0.3, 1.0, 99.0]
+    values += list(COMMAND_DURATION_BUCKETS) + list(MOVE_DURATION_BUCKETS)
+    registry, reference = CollectorRegistry(), CollectorRegistry()
+    metrics = DaemonMetrics(registry)
+    ref_cmd = Histogram("c", "c", buckets=COMMAND_DURATION_BUCKETS, registry=reference)
+    ref_move = Histogram("m", "m", buckets=MOVE_DURATION_BUCKETS, registry=reference)
+    for v in values:
+        metrics.record_command("move", "ok", v)
+        metrics.record_move("local", "engine-a", 1, v)
+        ref_cmd.observe(max(v, 0.0))
+        ref_move.observe(max(v, 0.0))
+    for bounds, ours, ref, labels in (
+        (COMMAND_DURATION_BUCKETS, "kvsidecar_command_duration_seconds", "c", {"command": "move"}),
+        (MOVE_DURATION_BUCKETS, "kvsidecar_move_duration_seconds", "m", {"kind": "local"}),
+    ):
+        for le in [*(prometheus_client.utils.floatToGoString(b) for b in bounds), "+Inf"]:  # type: ignore[no-untyped-call]
+            got = sample(registry, f"{ours}_bucket", **labels, le=le)
+            want = reference.get_sample_value(f"{ref}_bucket", {"le": le})
+            assert got == want, (ours, le)
+        assert sample(registry, f"{ours}_count", **labels) == len(values)
+        assert sample(registry, f"{ours}_sum", **labels) == pytest.approx(
+            reference.get_sample_value(f"{ref}_sum")
+        )
+    assert sample(registry, "kvsidecar_commands_total", command="move", result="ok") == len(values)
+    assert sample(registry, "kvsidecar_moves_total", kind="local", engine="engine-a") == len(values)
+
+
+def test_tally_scrapes_while_threads_add_series() -> None:
+    """A scrape while copy threads count commands (new series among them) sees a whole state.
+
+    Replies sent from copy threads count their commands there, so a command's first series may
+    be created while the loop builds the exposition: nothing may fail, nothing may be lost.
+    """
+    import sys
+    import threading
+
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry()
+    metrics = DaemonMetrics(registry)
+    per_thread, threads = 3_000, 2
+    results = [f"code_{i}" for i in range(per_thread)]  # a new series per record
+
+    def record() -> None:
+        for result in results:
+            metrics.record_command("move", result, 0.0001)
+
+    workers = [threading.Thread(target=record) for _ in range(threads)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, mid-scrape
+    try:
+        for t in workers:
+            t.start()
+        while any(t.is_alive() for t in workers):
+            generate_latest(registry)
+        for t in workers:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    for result in (results[0], results[-1]):
+        assert sample(registry, "kvsidecar_commands_total", command="move", result=result) == 2
+    total = per_thread * threads
+    assert sample(registry, "kvsidecar_command_duration_seconds_count", command="move") == total

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import platform
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, TypeVar, get_args
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvsidecar import __version__
 from kvsidecar.daemon.metrics_state import StateCollector, StateProvider
+from kvsidecar.daemon.metrics_tally import CounterFamily, HistogramFamily, Tally
 
 __all__ = [
     "COMMAND_DURATION_BUCKETS",
@@ -96,48 +98,41 @@ def _histogram(
 
 @dataclass(frozen=True, slots=True)
 class _MoveFamilies:
-    """What moves did: totals by kind and engine, durations by kind, failures, layout fixes."""
+    """What moves did: totals by kind and engine, durations by kind, failures, layout fixes.
 
-    moved_bytes: Counter
-    moves: Counter
-    seconds: Counter
-    duration: Histogram
+    The four a successful move updates are kept by the `Tally` (the hot path); failures and
+    layout fixes are prometheus_client counters.
+    """
+
+    moved_bytes: CounterFamily
+    moves: CounterFamily
+    seconds: CounterFamily
+    duration: HistogramFamily
     failures: Counter
     layout_fixes: Counter
 
     @classmethod
-    def define(cls, registry: CollectorRegistry) -> _MoveFamilies:
-        """Define the move metrics on ``registry``."""
+    def define(cls, registry: CollectorRegistry, tally: Tally) -> _MoveFamilies:
+        """Define the move metrics on ``tally`` and ``registry``."""
         by_kind_engine = ("kind", "engine")
         return cls(
-            moved_bytes=_define(
-                Counter,
-                registry,
-                "moved_bytes",
-                "Bytes moved, by move kind and engine.",
-                by_kind_engine,
+            moved_bytes=tally.counter(
+                "moved_bytes", "Bytes moved, by move kind and engine.", by_kind_engine
             ),
-            moves=_define(
-                Counter,
-                registry,
-                "moves",
-                "Moves completed, by move kind and engine.",
-                by_kind_engine,
+            moves=tally.counter(
+                "moves", "Moves completed, by move kind and engine.", by_kind_engine
             ),
-            seconds=_define(
-                Counter,
-                registry,
+            seconds=tally.counter(
                 "move_seconds",
                 "Seconds spent in completed moves, by move kind and engine "
                 "(byte-weighted throughput = rate(moved_bytes_total) / rate(move_seconds_total)).",
                 by_kind_engine,
             ),
-            duration=_histogram(
-                registry,
+            duration=tally.histogram(
                 "move_duration_seconds",
                 "Duration of completed moves, from submission to completion, by move kind.",
-                MOVE_DURATION_BUCKETS,
                 ("kind",),
+                MOVE_DURATION_BUCKETS,
             ),
             failures=_define(
                 Counter,
@@ -158,28 +153,25 @@ class _MoveFamilies:
 
 @dataclass(frozen=True, slots=True)
 class _CommandFamilies:
-    """What commands did: how many, with which result, and how long each took."""
+    """What commands did: how many, with which result, and how long each took (in the `Tally`)."""
 
-    handled: Counter
-    duration: Histogram
+    handled: CounterFamily
+    duration: HistogramFamily
 
     @classmethod
-    def define(cls, registry: CollectorRegistry) -> _CommandFamilies:
-        """Define the command metrics on ``registry``."""
+    def define(cls, tally: Tally) -> _CommandFamilies:
+        """Define the command metrics on ``tally``."""
         return cls(
-            handled=_define(
-                Counter,
-                registry,
+            handled=tally.counter(
                 "commands",
                 "Commands handled, by command and result (ok or an error code).",
                 ("command", "result"),
             ),
-            duration=_histogram(
-                registry,
+            duration=tally.histogram(
                 "command_duration_seconds",
                 "Time from decoding a command to sending its reply, by command.",
-                COMMAND_DURATION_BUCKETS,
                 ("command",),
+                COMMAND_DURATION_BUCKETS,
             ),
         )
 
@@ -245,19 +237,20 @@ def _package_version(name: str) -> str:
 
 @dataclass(slots=True)
 class _MoveSeries:
-    """The label children one ``(kind, engine)`` move touches, cached for the hot path."""
+    """The `Tally` series one ``(kind, engine)`` move adds to, cached for the hot path."""
 
-    moved_bytes: Counter
-    moves: Counter
-    seconds: Counter
-    duration: Histogram
+    moved_bytes: list[float]
+    moves: list[float]
+    seconds: list[float]
+    duration: list[float]
 
 
 class DaemonMetrics:
     """Every ``kvsidecar_*`` metric, on an injected registry.
 
-    The ``record_*`` methods are meant for the event-loop thread (the label-child caches are plain
-    dicts) and cost a dict lookup plus a few locked increments once a label set has been seen.
+    The ``record_*`` methods cost a dict lookup and a few additions under one lock once a label
+    set has been seen (`kvsidecar.daemon.metrics_tally`); `record_command` may be called from
+    any thread, the others from the event loop.
     Label values outside the documented sets raise `ValueError` on first use, so that a typo cannot
     mint a new series.
 
@@ -280,8 +273,11 @@ class DaemonMetrics:
         ``version``/``python``/``torch`` values of ``kvsidecar_build_info``.
         """
         self.registry = registry
-        self._moves = _MoveFamilies.define(registry)
-        self._commands = _CommandFamilies.define(registry)
+        self._tally = Tally(NAMESPACE)
+        self._lock = self._tally.lock
+        self._moves = _MoveFamilies.define(registry, self._tally)
+        self._commands = _CommandFamilies.define(self._tally)
+        registry.register(self._tally)
         self._daemon = _DaemonFamilies.define(registry, build_labels)
         self._state_collector = StateCollector(state, namespace=NAMESPACE)
         registry.register(self._state_collector)
@@ -290,15 +286,16 @@ class DaemonMetrics:
         # a dict lookup does neither.
         self._move_series: dict[tuple[str, str], _MoveSeries] = {}
         self._failure_series: dict[tuple[str, str], Counter] = {}
-        self._command_series: dict[tuple[str, str], Counter] = {}
-        self._command_duration_series: dict[str, Histogram] = {}
+        self._command_series: dict[tuple[str, str], list[float]] = {}
+        self._command_duration_series: dict[str, list[float]] = {}
         self._lease_series: dict[str, Counter] = {}
         self._removals: dict[str, asyncio.TimerHandle] = {}
 
         # Label sets known up front start at 0, so that rate() and increase() see the first event.
-        self._duration_series: dict[str, Histogram] = {
-            kind: self._moves.duration.labels(kind) for kind in MOVE_KINDS
-        }
+        self._duration_series: dict[str, list[float]] = {}
+        with self._lock:
+            for kind in MOVE_KINDS:
+                self._duration_series[kind] = self._moves.duration.cell((kind,))
         self._fix_series: dict[str, Counter] = {
             kind: self._moves.layout_fixes.labels(kind) for kind in LAYOUT_FIX_KINDS
         }
@@ -324,10 +321,13 @@ class DaemonMetrics:
         # as a counter reset; a monotonic clock never yields one, so clamp rather than fail a move.
         if not seconds > 0.0:
             seconds = 0.0
-        series.moved_bytes.inc(nbytes)
-        series.moves.inc()
-        series.seconds.inc(seconds)
-        series.duration.observe(seconds)
+        with self._lock:
+            series.moved_bytes[0] += nbytes
+            series.moves[0] += 1
+            series.seconds[0] += seconds
+            duration = series.duration
+            duration[bisect_left(MOVE_DURATION_BUCKETS, seconds)] += 1
+            duration[-1] += seconds
 
     def record_move_failure(self, kind: MoveKind, code: str) -> None:
         """Count one move of ``kind`` that ended failed with error ``code``."""
@@ -347,16 +347,22 @@ class DaemonMetrics:
 
     def record_command(self, command: str, result: str, seconds: float) -> None:
         """Count one handled ``command`` with ``result`` ("ok" or an error code) and its latency."""
-        child = self._command_series.get((command, result))
-        if child is None:
-            child = self._command_series[(command, result)] = self._commands.handled.labels(
-                command, result
-            )
-        timer = self._command_duration_series.get(command)
-        if timer is None:
-            timer = self._command_duration_series[command] = self._commands.duration.labels(command)
-        child.inc()
-        timer.observe(seconds if seconds > 0.0 else 0.0)
+        if not seconds > 0.0:
+            seconds = 0.0
+        with self._lock:
+            count = self._command_series.get((command, result))
+            if count is None:
+                count = self._command_series[(command, result)] = self._commands.handled.cell(
+                    (command, result)
+                )
+            timer = self._command_duration_series.get(command)
+            if timer is None:
+                timer = self._command_duration_series[command] = self._commands.duration.cell(
+                    (command,)
+                )
+            count[0] += 1
+            timer[bisect_left(COMMAND_DURATION_BUCKETS, seconds)] += 1
+            timer[-1] += seconds
 
     def record_lease_expiry(self, engine: str) -> None:
         """Count one worker lease of ``engine`` that expired."""
@@ -411,10 +417,11 @@ class DaemonMetrics:
     def _remove_now(self, engine: str) -> None:
         self._removals.pop(engine, None)
         moves = self._moves
-        for kind in MOVE_KINDS:
-            self._move_series.pop((kind, engine), None)
-            for metric in (moves.moved_bytes, moves.moves, moves.seconds):
-                metric.remove(kind, engine)
+        with self._lock:
+            for kind in MOVE_KINDS:
+                self._move_series.pop((kind, engine), None)
+                for family in (moves.moved_bytes, moves.moves, moves.seconds):
+                    family.series.pop((kind, engine), None)
         self._lease_series.pop(engine, None)
         self._daemon.lease_expiries.remove(engine)
 
@@ -422,12 +429,14 @@ class DaemonMetrics:
         duration = self._duration_series.get(kind)
         if duration is None:
             raise _unknown(kind, MOVE_KINDS, "move kind")
-        series = _MoveSeries(
-            moved_bytes=self._moves.moved_bytes.labels(kind, engine),
-            moves=self._moves.moves.labels(kind, engine),
-            seconds=self._moves.seconds.labels(kind, engine),
-            duration=duration,
-        )
+        labels = (kind, engine)
+        with self._lock:
+            series = _MoveSeries(
+                moved_bytes=self._moves.moved_bytes.cell(labels),
+                moves=self._moves.moves.cell(labels),
+                seconds=self._moves.seconds.cell(labels),
+                duration=duration,
+            )
         self._move_series[(kind, engine)] = series
         return series
 
