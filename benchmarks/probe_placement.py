@@ -4,9 +4,11 @@ On the 2-vCPU VMs the round trip of the same call changes with the CPUs the sche
 the client, the server and their libzmq I/O threads: unpinned, batches of 100 blocking 1-block
 moves take ~125 or ~225 µs (p50) and stay in one mode for a while. This probe times batches of
 the daemon's blocking move (1 layer) and of a raw blocking echo of the same frames, in turns,
-three ways:
+four ways:
 
 - ``free``: nothing pinned (the scheduler decides);
+- ``servers``: the daemon and the echo server on the first CPU, this client anywhere (what an
+  operator can do for the daemon alone: systemd ``CPUAffinity=``, a Kubernetes CPU set);
 - ``split``: the daemon and the echo server on the first CPU, this client on the second
   (``kvsidecar bench latency --pin``);
 - ``same``: all of them on the first CPU.
@@ -83,6 +85,7 @@ def main() -> None:
 
             placements = {
                 "free": (set(cpus), set(cpus)),
+                "servers": ({cpus[0]}, set(cpus)),
                 "split": ({cpus[0]}, {cpus[1]}),
                 "same": ({cpus[0]}, {cpus[0]}),
             }
