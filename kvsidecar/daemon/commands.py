@@ -292,11 +292,7 @@ class Commands:
 
         # Claim the blocks now, synchronously, so that arrival order is application order.
         pending = self._executor.submit(
-            job.run,
-            reads=job.reads,
-            writes=job.writes,
-            on_done=finish,
-            on_thread=on_thread,
+            job.run, reads=job.reads, writes=job.writes, on_done=finish, on_thread=on_thread
         )
         self._jobs[pending] = job.workers
         return outcome
