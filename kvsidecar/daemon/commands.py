@@ -269,24 +269,12 @@ class Commands:
             # What the copy thread told the client, whatever happened since; or None, and from
             # here on the thread can no longer answer: this callback does.
             sent = respond.claim()
+            result: Reply | BaseException
             try:
-                reply = sent if sent is not None else success(_copied(pending, self.draining))
+                result = sent if sent is not None else success(_copied(pending, self.draining))
             except BaseException as exc:  # handed on to the reply
-                if move:
-                    self.moves_failed_total += 1
-                if isinstance(exc, asyncio.CancelledError):
-                    outcome.cancel()
-                else:
-                    if not isinstance(exc, SidecarError):
-                        log.error("request %d failed", request_id, exc_info=exc)
-                    # Handed on without its traceback: its frames would keep the job (and its
-                    # views of a released worker's memory) alive until a garbage collection.
-                    outcome.set_exception(exc.with_traceback(None))
-            else:
-                self._count(reply, request_id)
-                outcome.set_result(reply)
-            if track is not None:
-                track(outcome)
+                result = exc
+            self._conclude(outcome, request_id, result, move=move, track=track)
             if sent is None:
                 respond.deliver(reply_of(outcome, request_id))
 
@@ -316,24 +304,47 @@ class Commands:
         """
         started = time.perf_counter()
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        result: Reply | BaseException
         try:
             nbytes = job.run()
-            reply = self._success_reply(
+            result = self._success_reply(
                 job, request_id, nbytes, owners={}, move=move, started=started, build=build
             )
         except Exception as exc:  # as from a copy thread: handed on to the reply
-            if move:
-                self.moves_failed_total += 1
-            if not isinstance(exc, SidecarError):
-                log.error("request %d failed", request_id, exc_info=exc)
-            outcome.set_exception(exc.with_traceback(None))
-        else:
-            self._count(reply, request_id)
-            outcome.set_result(reply)
-        if track is not None:
-            track(outcome)
+            result = exc
+        self._conclude(outcome, request_id, result, move=move, track=track)
         respond.send(reply_of(outcome, request_id))
         return outcome
+
+    def _conclude(
+        self,
+        outcome: asyncio.Future[Reply],
+        request_id: int,
+        result: Reply | BaseException,
+        *,
+        move: bool,
+        track: Callable[[asyncio.Future[Reply]], None] | None,
+    ) -> None:
+        """Settle a job's ``outcome`` with its reply or failure, count it, then run ``track``.
+
+        The one ending of both paths (`_submit` and `_run_here`), before the reply is sent.
+        """
+        if isinstance(result, BaseException):
+            if move:
+                self.moves_failed_total += 1
+            if isinstance(result, asyncio.CancelledError):
+                outcome.cancel()
+            else:
+                if not isinstance(result, SidecarError):
+                    log.error("request %d failed", request_id, exc_info=result)
+                # Handed on without its traceback: its frames would keep the job (and its
+                # views of a released worker's memory) alive until a garbage collection.
+                outcome.set_exception(result.with_traceback(None))
+        else:
+            self._count(result, request_id)
+            outcome.set_result(result)
+        if track is not None:
+            track(outcome)
 
     def _success_reply(
         self,
