@@ -62,6 +62,13 @@ class _Job:
     """Called on the loop once the job has finished (later jobs that wait for it)."""
 
 
+def _conflicts(job: _Job, reads: BlockSets, writes: BlockSets) -> bool:
+    """Whether ``job`` shares a block with these reads and writes, one of the two a write."""
+    return (
+        _overlap(job.writes, writes) or _overlap(job.writes, reads) or _overlap(job.reads, writes)
+    )
+
+
 @dataclass(eq=False, slots=True)
 class _Work:
     """A started job on its way to a copy thread and back."""
@@ -144,7 +151,7 @@ class CopyExecutor:
         """
         loop = asyncio.get_running_loop()
         job = _Job(reads, writes)
-        before = self._conflicting(reads, writes)
+        before = [j for j in self._active if _conflicts(j, reads, writes)]
         self._active.append(job)
         result: asyncio.Future[T] = loop.create_future()
         work = _Work(job, fn, result, on_done, on_thread, loop)
@@ -178,15 +185,7 @@ class CopyExecutor:
         would (any later job is submitted after it has finished). For copies shorter than the
         hand-off to a copy thread and back (two wake-ups, ~30 µs of a 1-block move's round trip).
         """
-        return not self._closing and not (self._active and self._conflicting(reads, writes))
-
-    def _conflicting(self, reads: BlockSets, writes: BlockSets) -> list[_Job]:
-        """Jobs in flight that share a block with these reads and writes, one of them a write."""
-        return [
-            j
-            for j in self._active
-            if _overlap(j.writes, writes) or _overlap(j.writes, reads) or _overlap(j.reads, writes)
-        ]
+        return not self._closing and not any(_conflicts(j, reads, writes) for j in self._active)
 
     def _start(self, work: _Work) -> None:
         if work.result.done():  # cancelled while it waited: `cancelled` has finished it
