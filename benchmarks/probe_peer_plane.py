@@ -7,7 +7,9 @@ frames received into a touched buffer, `kvsidecar.bench.peer.raw_zmq`), and prin
 their ratio; at the end the median ratio. ``--pids FILE`` writes the daemons' pids (producer,
 consumer) for a profiler (``py-spy record -p PID``) and ``--wait`` waits that many seconds
 before the rounds so that a profiler can attach. ``--flag key=value`` passes daemon settings
-(``peer_chunk_bytes=8388608``) to both daemons.
+(``peer_chunk_bytes=8388608``) to both daemons. ``--random``: the caches hold twice the blocks
+and each pull reads a random half of them into other random ids (the ranges are single blocks, as
+with the block ids an engine's allocator hands out), instead of every block into the same ids.
 
     .venv/bin/python benchmarks/probe_peer_plane.py [--mib 1024] [--rounds 5]
 """
@@ -82,14 +84,17 @@ def _settings(pairs: list[str]) -> dict[str, object]:
 _serial = itertools.count()
 
 
-def _pull(pc: SidecarClient, cc: SidecarClient, endpoint: str, ids: list[int]) -> tuple[Any, float]:
-    """Publish a fresh request on the producer, then pull it; (the reply, seconds of the pull)."""
+def _pull(
+    pc: SidecarClient, cc: SidecarClient, endpoint: str, ids: tuple[list[int], list[int]]
+) -> tuple[Any, float]:
+    """Publish a fresh request on the producer, then pull it; (the reply, seconds of the pull).
+
+    ``ids``: the producer's block ids and the consumer's.
+    """
     rid = f"r{next(_serial)}"
-    pc.publish("p", rid, ids)
+    pc.publish("p", rid, ids[0])
     start = time.perf_counter()
-    pulled = cc.pull(
-        "c", endpoint, "p", {"r": (ids, ids)}, remote_request_ids={"r": rid}, plane="zmq"
-    )
+    pulled = cc.pull("c", endpoint, "p", {"r": ids}, remote_request_ids={"r": rid}, plane="zmq")
     return pulled, time.perf_counter() - start
 
 
@@ -100,6 +105,7 @@ def main() -> int:
     parser.add_argument("--pids", default="")
     parser.add_argument("--wait", type=float, default=0.0)
     parser.add_argument("--no-raw", action="store_true", help="pulls only")
+    parser.add_argument("--random", action="store_true", help="random block ids (see above)")
     parser.add_argument("--flag", action="append", default=[], help="both daemons' setting")
     parser.add_argument(
         "--flag-b", action="append", default=[], help="a second consumer daemon, these settings"
@@ -120,14 +126,17 @@ def main() -> int:
             consumers["plane B"] = stack.enter_context(procs.daemon(insecure=True, **b))
         if args.pids:
             Path(args.pids).write_text(f"{prod.pid} {consumers['plane'][1].pid}\n")
-        shape = (2, blocks, 16, 8, 128)
+        shape = (2, 2 * blocks if args.random else blocks, 16, 8, 128)
         src = allocate_kv_caches(layers, shape, torch.float16)
         for i, t in enumerate(src):
             t.view(torch.int16).view(-1).copy_(
                 torch.arange(t.numel(), dtype=torch.int32).to(torch.int16) + i
             )
         raw_dest = torch.ones(nbytes, dtype=torch.uint8).numpy()
-        ids = list(range(blocks))
+        ids = (list(range(blocks)), list(range(blocks)))
+        if args.random:
+            rng = np.random.default_rng(0)
+            ids = tuple(rng.choice(2 * blocks, blocks, replace=False).tolist() for _ in "rl")
         pc = stack.enter_context(SidecarClient(prod_ep, timeout_s=120))
         pc.register_kv_caches({f"l{i}": t for i, t in enumerate(src)}, engine_id="p")
         clients = {}
@@ -137,7 +146,7 @@ def main() -> int:
             cc.register_kv_caches({f"l{i}": t for i, t in enumerate(dst)}, engine_id="c")
             pulled, _ = _pull(pc, cc, endpoint, ids)
             same = all(
-                torch.equal(s.view(torch.int16), d.view(torch.int16))
+                torch.equal(s.view(torch.int16)[:, ids[0]], d.view(torch.int16)[:, ids[1]])
                 for s, d in zip(src, dst, strict=True)
             )
             if pulled.failed or not same:

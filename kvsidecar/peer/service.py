@@ -79,8 +79,8 @@ PEER_SNDHWM = 1024
 outstanding, so only a peer that does not read its replies reaches it; its replies are then
 dropped (counted in `PeerService.replies_dropped_total`) rather than queued or waited for."""
 _PEER_TURN = 16
-"""Peer messages served before the serve loop yields to the event loop (the control socket,
-timers and the fd channel run in between, however many peer messages wait)."""
+"""Peer messages served per turn of the event loop (the control socket, timers and the fd
+channel run in between, however many peer messages wait)."""
 
 
 class PeerService:
@@ -111,11 +111,12 @@ class PeerService:
         self._ctx: zmq.asyncio.Context | None = None
         self._zap: ZapHandler | None = None  # security: authenticates peers on the endpoint
         self._transport: Transport | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._plain: zmq.Socket[Any] | None = None
-        """A plain (blocking-API) shadow of ``_sock`` for replies: the asyncio socket's ``send``
-        creates a future per frame even when the send cannot wait (a quarter of the producer's
-        loop time serving 1 GiB pulls)."""
+        self._sock: zmq.Socket[Any] | None = None
+        """The peer endpoint: a plain socket, read from a loop reader callback on its fd and
+        written without waiting. The asyncio socket's ``recv_multipart`` and ``send`` cost a
+        future per message or frame: a quarter of the producer's loop time serving pulls."""
+        self._read_scheduled = False
+        """A call of `_on_peer_readable` is queued on the loop (never more than one)."""
         self._links: dict[str, PeerLink] = {}
         # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
         self._local_link = LocalLink(self)
@@ -165,7 +166,7 @@ class PeerService:
         self._transport = peer_transport(cfg)
         if cfg.peer_endpoint:
             self._bind(self._ctx, self._transport, cfg.peer_endpoint)
-            self._tasks.append(asyncio.create_task(self._serve_loop(), name="peer-serve"))
+            self._tasks.append(asyncio.create_task(self._serve(), name="peer-serve"))
             log.info(
                 "peer endpoint %s (planes: %s)", cfg.peer_endpoint, ", ".join(sorted(self.planes))
             )
@@ -175,7 +176,7 @@ class PeerService:
         self._zap = ZapHandler(ctx)
         self._zap.policies[PEER_DOMAIN] = transport.policy
         self._zap.start()
-        sock = ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.ROUTER)
         secure_server_socket(sock, domain=PEER_DOMAIN, keys=transport.keys)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
@@ -184,7 +185,6 @@ class PeerService:
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         zmqio.bind_or_close(sock, endpoint, "peer endpoint")
         self._sock = sock
-        self._plain = zmq.Socket.shadow(sock.underlying)
 
     async def close(self) -> None:
         """Close every link and the peer socket; release the NIXL registrations."""
@@ -197,7 +197,6 @@ class PeerService:
         self._links.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
         if self._sock is not None:
-            self._plain = None  # a shadow: closed with the socket it shadows
             self._sock.close(linger=0)
             self._sock = None
         await close_zap_and_context(self._zap, self._ctx)  # security
@@ -244,22 +243,38 @@ class PeerService:
 
     # ------------------------------------------------------------------ peer endpoint
 
-    async def _serve_loop(self) -> None:
+    async def _serve(self) -> None:
+        """Serve the peer endpoint from a reader callback on its fd until cancelled."""
         assert self._sock is not None
-        sock = self._sock
-        served = 0
-        while True:
-            # A receive that finds a message waiting completes without yielding to the loop:
-            # without the explicit yield below, a peer that floods would hold the loop.
-            frames = await sock.recv_multipart(copy=False)
+        loop = asyncio.get_running_loop()
+        fd = int(self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._on_peer_readable)
+        self._schedule_read()  # anything queued before the reader existed
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(fd)
+
+    def _schedule_read(self) -> None:
+        if not self._read_scheduled:
+            self._read_scheduled = True
+            asyncio.get_running_loop().call_soon(self._on_peer_readable)
+
+    def _on_peer_readable(self) -> None:
+        # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
+        # left to read. `zmqio.try_recv` asks before each receive, after the previous message's
+        # reply was sent (a send may take the edge), so returning on None leaves it armed. A
+        # burst is served `_PEER_TURN` messages at a time: a peer that floods cannot hold the loop.
+        self._read_scheduled = False
+        for _ in range(_PEER_TURN):
+            frames = None if self._sock is None else zmqio.try_recv(self._sock)
+            if frames is None:
+                return
             try:
                 self._on_peer_message(frames)
             except Exception:  # a bug must not stop serving the other peers
                 log.exception("unhandled error on a peer message")
-            served += 1
-            if served >= _PEER_TURN:
-                served = 0
-                await asyncio.sleep(0)
+        self._schedule_read()
 
     def _on_peer_message(self, frames: list[zmq.Frame]) -> None:
         assert self._sock is not None
@@ -284,11 +299,12 @@ class PeerService:
 
     def _reply(self, ident: bytes, frames: list[Any]) -> None:
         """Queue a reply without waiting: a peer that does not read loses its replies."""
-        assert self._plain is not None
+        if self._sock is None:
+            return
         try:
-            # The plain socket's send, never waiting: the asyncio one would wait for room,
-            # holding every other peer's replies behind a peer that never reads.
-            zmqio.send_frames(self._plain, [ident, *frames])
+            # Never waiting for room: that would hold every other peer's replies behind a peer
+            # that never reads.
+            zmqio.send_frames(self._sock, [ident, *frames])
         except zmq.Again:
             self.replies_dropped_total += 1
             self._warn_once_a_minute(
