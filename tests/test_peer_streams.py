@@ -35,6 +35,13 @@ def honest(msg: ReadBlocks, ranges: np.ndarray, source: np.ndarray) -> list[Any]
     return [header, *(source[layer, off : off + n] for layer, off, n in ranges.tolist())]
 
 
+def packed(msg: ReadBlocks, ranges: np.ndarray, source: np.ndarray) -> list[Any] | None:
+    """The ranges back to back in one frame (what a producer sends for many small ranges)."""
+    nbytes = int(ranges[:, 2].sum())
+    header = msgspec.msgpack.encode(ReadData(id=msg.id, nbytes=nbytes, packed=True))
+    return [header, b"".join(source[r, o : o + n].tobytes() for r, o, n in ranges.tolist())]
+
+
 class Producer:
     """A ROUTER on a thread answering reads from ``source`` (layers x bytes) with ``answer``."""
 
@@ -141,10 +148,11 @@ def _plan(rng: np.random.Generator, n: int, size: int) -> tuple[np.ndarray, list
     return rows.astype(np.int64), dest_offsets
 
 
+@pytest.mark.parametrize("answer", [honest, packed], ids=["frame per range", "packed"])
 async def test_chunks_over_several_streams_land_element_by_element(
-    source: np.ndarray, link_factory: Callable[..., PeerLink]
+    source: np.ndarray, link_factory: Callable[..., PeerLink], answer: Answer
 ) -> None:
-    producer = Producer(source)
+    producer = Producer(source, answer)
     link = link_factory(producer.endpoint, streams=3, in_flight=6)
     rng = np.random.default_rng(0)
     try:
@@ -207,6 +215,32 @@ async def test_a_frame_of_the_wrong_size_fails_only_its_chunk(
             await _read(link, rows, bad)
         good = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
         await _read(link, rows, good)  # the stream goes on: the rest was drained
+        np.testing.assert_array_equal(good[0], source[0, :100])
+        np.testing.assert_array_equal(good[1], source[1, 50:80])
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_a_packed_frame_of_the_wrong_size_fails_only_its_chunk(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    def long_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        frames = packed(msg, ranges, src)
+        if msg.id == 1 and frames is not None:
+            frames[1] += b"x"
+        return frames
+
+    producer = Producer(source, long_first)
+    link = link_factory(producer.endpoint, streams=1)
+    rows = np.array([[0, 0, 100], [1, 50, 30]], np.int64)
+    try:
+        bad = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
+        with pytest.raises(PeerGone, match="packed frame of 131 bytes for 130"):
+            await _read(link, rows, bad)
+        assert not bad[0].any() and not bad[1].any(), "nothing of a refused frame lands"
+        good = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
+        await _read(link, rows, good)
         np.testing.assert_array_equal(good[0], source[0, :100])
         np.testing.assert_array_equal(good[1], source[1, 50:80])
     finally:

@@ -1,4 +1,4 @@
-"""Frame splitting of the ZMQ data plane's reads (kvsidecar/peer/zmq_plane.py)."""
+"""Frame splitting and reply packing of the ZMQ data plane (kvsidecar/peer/zmq_plane.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.peer.zmq_plane import split_ranges
+from kvsidecar.peer.messages import ReadData
+from kvsidecar.peer.zmq_plane import PACK_BELOW, pack, packable, split_ranges
 
 
 def test_long_ranges_become_pieces_of_at_most_the_limit() -> None:
@@ -50,3 +51,34 @@ def test_pieces_cover_the_same_bytes_in_order(lengths: list[int], limit: int) ->
         ]
 
     assert each_byte(out, out_dest) == each_byte(ranges, dest)
+
+
+def test_only_replies_of_many_small_ranges_are_packed() -> None:
+    def frames(*sizes: int) -> list[np.ndarray]:
+        return [np.zeros(n, np.uint8) for n in sizes]
+
+    def reply(fs: list[np.ndarray]) -> ReadData:
+        return ReadData(id=1, nbytes=sum(f.nbytes for f in fs))
+
+    small = frames(*[32 << 10] * 128)
+    assert packable(reply(small), small)
+    one = frames(32 << 10)
+    assert not packable(reply(one), one), "a single frame gains nothing"
+    long = frames(1 << 20, 1 << 20, 1 << 20, 1 << 20)
+    assert not packable(reply(long), long)
+    edge = frames(PACK_BELOW, PACK_BELOW)
+    assert not packable(reply(edge), edge)
+    mixed = frames(PACK_BELOW, PACK_BELOW - 2)
+    assert packable(reply(mixed), mixed)
+
+
+def test_a_packed_reply_holds_the_frames_back_to_back_in_order() -> None:
+    rng = np.random.default_rng(1)
+    source = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    spans = [(900, 17), (0, 5), (40000, 333), (12, 1)]
+    fs = [source[o : o + n] for o, n in spans]
+    out, data = pack(ReadData(id=9, nbytes=356), fs)
+    assert out == ReadData(id=9, nbytes=356, packed=True)
+    assert len(data) == 1
+    assert data[0].tobytes() == b"".join(source[o : o + n].tobytes() for o, n in spans)
+    assert not np.shares_memory(data[0], source), "a copy: the budget counts it"

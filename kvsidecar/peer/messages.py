@@ -8,7 +8,9 @@ separate from the control protocol (`kvsidecar.wire.protocol`), framed the same 
 - `ReadBlocks` carries one frame: an ``(n, 3)`` little-endian int64 array of ``(layer index,
   byte offset, byte length)`` ranges of the producer worker's registered layers.
 - `ReadData` is followed by ``n`` frames, the bytes of each range in order, sent zero-copy
-  from the producer's mapped buffers and received straight into the consumer's buffers.
+  from the producer's mapped buffers and received straight into the consumer's buffers; or,
+  when it says ``packed``, by one frame holding the ranges' bytes back to back (a chunk of many
+  small ranges, such as single blocks: see `kvsidecar.peer.zmq_plane.packable`).
 
 Every request carries an ``id`` that its reply echoes, so several reads can be in flight on one
 connection. `Notify` has no reply (a lost notification ends in the producer's lease expiry).
@@ -23,7 +25,7 @@ import msgspec
 from kvsidecar.core.topology import EngineTransferInfo
 from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
-PEER_PROTOCOL_VERSION = 1
+PEER_PROTOCOL_VERSION = 2
 """Bumped on any incompatible change of the messages below."""
 
 PeerErrorCode = Literal[
@@ -140,6 +142,9 @@ class ReadData(_PeerReply, tag="read_data", frozen=True):
     """The ranges of a `ReadBlocks`, as raw frames following this header."""
 
     nbytes: int
+    packed: bool = False
+    """One frame of ``nbytes`` follows, the ranges back to back in order, instead of one frame
+    per range (version 2)."""
 
 
 class PeerError(_PeerReply, tag="peer_error", frozen=True):

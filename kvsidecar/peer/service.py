@@ -45,6 +45,7 @@ from kvsidecar.daemon.auth import (  # security
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.registry import Registry, Worker
+from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
 from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
@@ -56,12 +57,13 @@ from kvsidecar.peer.messages import (
     PeerRequest,
     PeerWelcome,
     ReadBlocks,
+    ReadData,
 )
 from kvsidecar.peer.nixl_plane import NixlPlane
 from kvsidecar.peer.planes import DataPlane
 from kvsidecar.peer.producer import Producer
 from kvsidecar.peer.pull import check_pull
-from kvsidecar.peer.zmq_plane import ZmqPlane
+from kvsidecar.peer.zmq_plane import ZmqPlane, pack, packable
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok, Reply
@@ -78,6 +80,12 @@ PEER_SNDHWM = 1024
 """Replies queued for one peer connection. A consumer has at most ``peer_max_in_flight`` reads
 outstanding, so only a peer that does not read its replies reaches it; its replies are then
 dropped (counted in `PeerService.replies_dropped_total`) rather than queued or waited for."""
+PACKED_REPLY_BYTES = 64 << 20
+"""Bytes of packed read replies (`kvsidecar.peer.zmq_plane.pack`: copies, unlike the zero-copy
+views of the registered memory that unpacked replies send) queued at once, all peers together.
+Past it replies go out unpacked, so consumers that do not read their replies hold no more memory
+here than this. A consumer keeps ``peer_max_in_flight`` chunks outstanding (8 x 4 MiB by default),
+so this lets a few pull at full speed at once."""
 _PEER_TURN = 16
 """Peer messages served per turn of the event loop (the control socket, timers and the fd
 channel run in between, however many peer messages wait)."""
@@ -117,6 +125,8 @@ class PeerService:
         future per message or frame: a quarter of the producer's loop time serving pulls."""
         self._read_scheduled = False
         """A call of `_on_peer_readable` is queued on the loop (never more than one)."""
+        self.packed_budget = ReplyBudget(PACKED_REPLY_BYTES)
+        """Bytes of packed read replies still queued (`PACKED_REPLY_BYTES`)."""
         self._links: dict[str, PeerLink] = {}
         # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
         self._local_link = LocalLink(self)
@@ -287,24 +297,37 @@ class PeerService:
             return
         reply: Any
         data: list[Any] = []
+        packed = 0
         match msg:
             case PeerHello():
                 reply = self._welcome(msg)
             case ReadBlocks():
                 reply, data = self.producer.read(msg, frames[2:])
+                if (
+                    isinstance(reply, ReadData)
+                    and packable(reply, data)
+                    and self.packed_budget.take(reply.nbytes)
+                ):
+                    reply, data = pack(reply, data)
+                    packed = reply.nbytes
             case Notify():
                 self.producer.on_notify(msg)
                 return
-        self._reply(ident, [self._encoder.encode(reply), *data])
+        self._reply(ident, [self._encoder.encode(reply), *data], packed=packed)
 
-    def _reply(self, ident: bytes, frames: list[Any]) -> None:
-        """Queue a reply without waiting: a peer that does not read loses its replies."""
-        if self._sock is None:
-            return
+    def _reply(self, ident: bytes, frames: list[Any], *, packed: int = 0) -> None:
+        """Queue a reply without waiting: a peer that does not read loses its replies.
+
+        ``packed``: the bytes of a packed reply's frame, taken from `packed_budget` and given
+        back once libzmq let go of the frame (or at once if it was not queued).
+        """
+        trackers: list[zmq.MessageTracker] = []
         try:
+            if self._sock is None:
+                raise zmq.ZMQError(msg="the peer socket is closed")
             # Never waiting for room: that would hold every other peer's replies behind a peer
             # that never reads.
-            zmqio.send_frames(self._sock, [ident, *frames])
+            trackers = zmqio.send_frames(self._sock, [ident, *frames], track=packed > 0)
         except zmq.Again:
             self.replies_dropped_total += 1
             self._warn_once_a_minute(
@@ -314,6 +337,12 @@ class PeerService:
             )
         except zmq.ZMQError as exc:  # the peer went away (ROUTER_MANDATORY)
             log.debug("peer reply not sent: %s", exc)
+        if not packed:
+            return
+        if trackers:
+            self.packed_budget.track(trackers, packed)
+        else:  # not queued, or small enough to be copied into libzmq's message
+            self.packed_budget.give_back(packed)
 
     def _warn_once_a_minute(self, what: str, text: str, detail: object) -> None:
         # A flooding peer must not flood the log too: one line a minute per kind, with a count.

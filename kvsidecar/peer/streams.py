@@ -4,7 +4,8 @@ The ZMQ plane's reads (`kvsidecar.peer.zmq_plane`) travel on a link's data strea
 on its control socket. Each stream is a DEALER socket with its own TCP connection, owned by one
 thread that sends the `ReadBlocks` requests handed to it and receives each `ReadData` reply's
 frames straight into their destinations (``recv_into``: ZeroMQ copies its message into our block
-memory with the GIL released; no Python bytes in between). So the copies of a pull run on these
+memory with the GIL released; no Python bytes in between), or copies a packed reply's one frame
+out to them. So the copies of a pull run on these
 threads, never on the event loop, and several streams copy at once, each over its own connection
 served by its own ZeroMQ I/O thread on both daemons.
 
@@ -251,7 +252,8 @@ class DataStream:
                 continue
             outcome: Any = reply
             if isinstance(reply, ReadData):
-                outcome = self._land(chunk.dests, header.more)
+                land = self._unpack if reply.packed else self._land
+                outcome = land(chunk.dests, header.more)
                 outcome = reply if outcome is None else outcome
             else:
                 self._drain(header.more)
@@ -275,6 +277,29 @@ class DataStream:
         if more:
             self._drain(more)
             return PeerGone(f"{self.endpoint} sent more data frames than requested")
+        return None
+
+    def _unpack(self, dests: Sequence[Dest], more: bool) -> PeerGone | None:
+        """Copy a packed reply's one frame into ``dests`` in order; a `PeerGone` if it does not fit.
+
+        numpy copies without the GIL, as ``recv_into`` does.
+        """
+        if not more:
+            return PeerGone(f"{self.endpoint} sent a packed reply without its frame")
+        frame = self._sock.recv(zmqio.NOBLOCK, copy=False)
+        if frame.more:
+            self._drain(True)
+            return PeerGone(f"{self.endpoint} sent more than one packed frame")
+        data = np.frombuffer(frame.buffer, dtype=np.uint8)
+        if data.nbytes != sum(d.nbytes for d in dests):
+            return PeerGone(
+                f"{self.endpoint} sent a packed frame of {data.nbytes} bytes for "
+                f"{sum(d.nbytes for d in dests)}"
+            )
+        off = 0
+        for dest in dests:
+            np.copyto(dest, data[off : off + dest.nbytes])
+            off += dest.nbytes
         return None
 
     def _drain(self, more: bool) -> None:
