@@ -5,7 +5,9 @@ process, which keeps ``--window`` chunks outstanding and drops the replies unrea
 receives them; nothing is copied into a destination). Two chunk shapes, like the plane's:
 
 - ``contiguous``: 4 ranges of 1 MiB (a 4 MiB chunk of a layer's K half, contiguous block ids);
-- ``random``: 128 ranges of one 32 KiB block each (a 4 MiB chunk of random block ids).
+- ``random``: 128 ranges of one 32 KiB block each (a 4 MiB chunk of random block ids);
+- ``runs of 4``: 32 ranges of 4 consecutive blocks (128 KiB each), what blocks of 64 tokens or
+  of 4x the heads give.
 
 For each it prints the producer's CPU per chunk, all threads and its event-loop thread apart
 (from ``/proc``, over ``--chunks`` chunks), and the chunks served per second. The figure is
@@ -65,6 +67,9 @@ def _chunks(shape: str) -> list[bytes]:
     for layer in range(LAYERS):
         if shape == "contiguous":
             rows = [(layer, k << 20, 1 << 20) for k in range(4)]
+        elif shape == "runs of 4":
+            runs = np.sort(rng.choice(BLOCKS // 4, 32, replace=False))
+            rows = [(layer, int(r) * 4 * ROW, 4 * ROW) for r in runs]
         else:
             ids = np.sort(rng.choice(BLOCKS, 128, replace=False))
             rows = [(layer, int(b) * ROW, ROW) for b in ids]
@@ -114,7 +119,7 @@ def main() -> None:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(endpoint)
         try:
-            for shape in ("contiguous", "random"):
+            for shape in ("contiguous", "runs of 4", "random"):
                 frames = _chunks(shape)
                 _serve(sock, frames, 200, args.window)  # warm
                 total, loop, rate = [], [], []
@@ -125,7 +130,7 @@ def main() -> None:
                     loop.append((_cpu_us(proc.pid, proc.pid) - loop0) / args.chunks)
                     rate.append(args.chunks / took)
                 print(
-                    f"{shape:10s} producer CPU per 4 MiB chunk: all threads {_spread(total)}, "
+                    f"{shape:11s} producer CPU per 4 MiB chunk: all threads {_spread(total)}, "
                     f"event loop {_spread(loop)}; {statistics.median(rate):.0f} chunks/s"
                 )
         finally:
