@@ -147,7 +147,7 @@ def test_peer_tiny_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     results = check_results(tmp_path / "p.json")
     planes = {r["name"].rsplit("/", 1)[-1] for r in results}
-    assert "zmq plane pull" in planes
+    assert {"zmq plane pull", "zmq plane pull, random ids"} <= planes
     try:
         import nixl  # noqa: F401
     except ImportError:

@@ -5,7 +5,10 @@ process is the engine worker of both: ``layers`` tensors of ``(2, blocks, *block
 (kv_first, K and V) in shared memory per engine. Pulled: 1/64, 1/4 and all of the blocks of
 every layer (16 MiB, 256 MiB and 1 GiB at the default sizes), contiguous ids; timed on the
 client from sending the pull to its reply (handshake, reads and notifications included); the
-bytes are checked once per plane and size.
+bytes are checked once per plane and size. The ZMQ plane also pulls the same blocks in random
+order into other random positions (a permutation on each side, so nothing but single blocks
+coalesce): the block ids an engine's allocator hands out, for which the producer packs its
+replies (docs/protocol.md).
 
 The planes are measured in two phases, each with its own pair of daemons:
 
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from kvsidecar.bench import procs
@@ -52,6 +56,7 @@ FRAME = 1 << 20
 RAW_INTO = "raw pyzmq stream into a buffer"
 RAW_KEEP = "raw pyzmq stream into a buffer, daemon's malloc settings"
 RAW_NIXL = "raw NIXL READ, one prepared transfer"
+SHUFFLED = "zmq plane pull, random ids"
 
 Plane = Literal["zmq", "nixl"]
 
@@ -204,26 +209,32 @@ def _puller(
     plane: Plane,
     setup: _Setup,
     blocks: int,
+    *,
+    shuffled: bool = False,
 ) -> Any:
     """Check one pull's bytes (the warm-up), then return a timed pull of ``blocks``.
 
     Each pull reads a request of its own, published by the producer before the clock starts: a
     producer opens blocks only to reads of a published request, and releases it once read.
+    ``shuffled``: the blocks in a random order on each side (module doc).
     """
     pc, cc = clients
-    ids = list(range(blocks))
+    remote, local = list(range(blocks)), list(range(blocks))
+    if shuffled:
+        rng = np.random.default_rng(blocks)
+        remote, local = rng.permutation(blocks).tolist(), rng.permutation(blocks).tolist()
     nbytes = setup.nbytes(blocks)
     serial = itertools.count()
 
     def once() -> float:
-        rid = f"{plane}-{blocks}-{next(serial)}"
-        pc.publish("p", rid, ids)
+        rid = f"{plane}-{blocks}-{'shuffled-' if shuffled else ''}{next(serial)}"
+        pc.publish("p", rid, remote)
         start = time.perf_counter()
         pulled = cc.pull(
             "c",
             endpoint,
             "p",
-            {"r": (ids, ids)},
+            {"r": (remote, local)},
             remote_request_ids={"r": rid},
             plane=plane,
             timeout_s=300,
@@ -237,7 +248,7 @@ def _puller(
         t.zero_()
     once()  # warm-up (connections, registrations) and the correctness check
     for s, d in zip(setup.src, setup.dst, strict=True):
-        if not torch.equal(s.view(torch.int16)[:, :blocks], d.view(torch.int16)[:, :blocks]):
+        if not torch.equal(s.view(torch.int16)[:, remote], d.view(torch.int16)[:, local]):
             raise AssertionError(f"{plane} pull: the consumer's blocks differ from the producer's")
     return once
 
@@ -257,18 +268,26 @@ def _zmq_phase(setup: _Setup, progress: Progress) -> list[Figure]:
             nbytes = setup.nbytes(blocks)
             progress.step(0, f"peer: zmq plane, {blocks} blocks")
             pull = _puller((pc, cc), endpoint, "zmq", setup, blocks)
+            shuffled = _puller((pc, cc), endpoint, "zmq", setup, blocks, shuffled=True)
             plain = RawZmq(nbytes, keep_freed_memory=False)
             kept = RawZmq(nbytes, keep_freed_memory=True)
             try:
                 plain.once(), kept.once()  # warm: the connections' buffers grow on first use
                 got = _turns(
-                    {"plane": pull, RAW_INTO: plain.once, RAW_KEEP: kept.once}, setup.opts.repeat
+                    {
+                        "plane": pull,
+                        "shuffled": shuffled,
+                        RAW_INTO: plain.once,
+                        RAW_KEEP: kept.once,
+                    },
+                    setup.opts.repeat,
                 )
             finally:
                 plain.close()
                 kept.close()
             figures += [
-                _figure(nbytes, "zmq plane pull", got["plane"], base, got[base])
+                _figure(nbytes, name, got[key], base, got[base])
+                for key, name in (("plane", "zmq plane pull"), ("shuffled", SHUFFLED))
                 for base in (RAW_INTO, RAW_KEEP)
             ]
             progress.step()
