@@ -10,6 +10,7 @@ before the rounds so that a profiler can attach. ``--flag key=value`` passes dae
 (``peer_chunk_bytes=8388608``) to both daemons. ``--random``: the caches hold twice the blocks
 and each pull reads a random half of them into other random ids (the ranges are single blocks, as
 with the block ids an engine's allocator hands out), instead of every block into the same ids.
+``--plane nixl``: the pulls go over NIXL, between daemons with NIXL agents.
 
     .venv/bin/python benchmarks/probe_peer_plane.py [--mib 1024] [--rounds 5]
 """
@@ -85,7 +86,11 @@ _serial = itertools.count()
 
 
 def _pull(
-    pc: SidecarClient, cc: SidecarClient, endpoint: str, ids: tuple[list[int], list[int]]
+    pc: SidecarClient,
+    cc: SidecarClient,
+    endpoint: str,
+    ids: tuple[list[int], list[int]],
+    plane: str = "zmq",
 ) -> tuple[Any, float]:
     """Publish a fresh request on the producer, then pull it; (the reply, seconds of the pull).
 
@@ -94,7 +99,7 @@ def _pull(
     rid = f"r{next(_serial)}"
     pc.publish("p", rid, ids[0])
     start = time.perf_counter()
-    pulled = cc.pull("c", endpoint, "p", {"r": ids}, remote_request_ids={"r": rid}, plane="zmq")
+    pulled = cc.pull("c", endpoint, "p", {"r": ids}, remote_request_ids={"r": rid}, plane=plane)
     return pulled, time.perf_counter() - start
 
 
@@ -106,12 +111,17 @@ def main() -> int:
     parser.add_argument("--wait", type=float, default=0.0)
     parser.add_argument("--no-raw", action="store_true", help="pulls only")
     parser.add_argument("--random", action="store_true", help="random block ids (see above)")
+    parser.add_argument(
+        "--plane", default="zmq", choices=["zmq", "nixl"], help="nixl: daemons with NIXL agents"
+    )
     parser.add_argument("--flag", action="append", default=[], help="both daemons' setting")
     parser.add_argument(
         "--flag-b", action="append", default=[], help="a second consumer daemon, these settings"
     )
     args = parser.parse_args()
     settings = _settings(args.flag)
+    if args.plane == "nixl":
+        settings["peer_data_plane"] = "nixl"
     layers, block_bytes = 32, 2 * 16 * 8 * 128 * 2
     blocks = args.mib * 2**20 // (layers * block_bytes)
     nbytes = blocks * layers * block_bytes
@@ -144,7 +154,7 @@ def main() -> int:
             dst = allocate_kv_caches(layers, shape, torch.float16)
             cc = stack.enter_context(SidecarClient(ep, timeout_s=120))
             cc.register_kv_caches({f"l{i}": t for i, t in enumerate(dst)}, engine_id="c")
-            pulled, _ = _pull(pc, cc, endpoint, ids)
+            pulled, _ = _pull(pc, cc, endpoint, ids, args.plane)
             same = all(
                 torch.equal(s.view(torch.int16)[:, ids[0]], d.view(torch.int16)[:, ids[1]])
                 for s, d in zip(src, dst, strict=True)
@@ -161,7 +171,7 @@ def main() -> int:
         for r in range(args.rounds):
             line = []
             for name, cc in clients.items():
-                pulled, seconds = _pull(pc, cc, endpoint, ids)
+                pulled, seconds = _pull(pc, cc, endpoint, ids, args.plane)
                 rates.setdefault(name, []).append(nbytes / seconds / 1e9)
                 if pulled.failed:
                     raise RuntimeError(pulled)
