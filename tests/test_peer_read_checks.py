@@ -1,10 +1,12 @@
 """The producer's checks of a peer read (`kvsidecar.peer.zmq_plane.serve_read`), by reference.
 
 A read is served only when every range lies inside its layer buffer and inside the rows of the
-request's published blocks, within one block view (K or V of a ``kv_first`` layer). The reference
-here marks the allowed bytes of each view one by one, from the rows torch's own indexing gives
-(``t[0, b]``, ``t[b]``), never from the production code's stride arithmetic; a read is allowed
-when some view allows every byte of each range. Served bytes are compared with the tensors'.
+request's published blocks, within one block view (K or V of a ``kv_first`` layer). Both ways of
+checking are held to it: plain ints for a few ranges, numpy for many (`FEW_RANGES`). The
+reference marks the allowed bytes of each view one by one, from the rows torch's own indexing
+gives (``t[0, b]``, ``t[b]``), never from the production code's stride arithmetic; a read is
+allowed when some view allows every byte of each range. Served bytes are compared with the
+tensors'.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from kvsidecar.core.layout import describe_tensor
 from kvsidecar.daemon.registry import LayerBuffer
 from kvsidecar.memory.base import TensorBuffer
+from kvsidecar.peer import zmq_plane
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.zmq_plane import serve_read
 
@@ -117,13 +120,20 @@ def reads(draw: st.DrawFn, kind: str) -> tuple[list[tuple[int, int, int]], list[
     return ranges, published
 
 
+@pytest.mark.parametrize("few", [16, 0], ids=["plain ints", "numpy"])
 @pytest.mark.parametrize("kind", list(SHAPES))
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_a_read_is_served_exactly_when_the_reference_allows_it(kind: str, data: Any) -> None:
+def test_a_read_is_served_exactly_when_the_reference_allows_it(
+    kind: str, few: int, data: Any
+) -> None:
     layers = LAYERS[kind]
     ranges, published = data.draw(reads(kind))
-    reply, frames = layers.serve(ranges, published)
+    saved, zmq_plane.FEW_RANGES = zmq_plane.FEW_RANGES, few
+    try:
+        reply, frames = layers.serve(ranges, published)
+    finally:
+        zmq_plane.FEW_RANGES = saved
     if layers.reference(ranges, published):
         assert isinstance(reply, ReadData), (reply, ranges, published)
         assert reply.nbytes == sum(n for _, _, n in ranges)
@@ -136,6 +146,7 @@ def test_a_read_is_served_exactly_when_the_reference_allows_it(kind: str, data: 
 
 def test_runs_of_published_blocks_are_one_range_and_a_gap_refuses_it() -> None:
     layers = LAYERS["kv_first"]
+    assert zmq_plane.FEW_RANGES >= 2, "these reads take the plain-int checks"
     row = 2 * 1 * 4 * 2  # block_size x heads x head_size x fp16
     k_run = (0, 1 * row, 3 * row)  # K of blocks 1-3
     v_run = (1, (NUM_BLOCKS + 2) * row, 2 * row)  # V of blocks 2-3
