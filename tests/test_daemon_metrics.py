@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import threading
 import time
@@ -130,6 +131,7 @@ def test_health_and_readiness_follow_start_and_stop() -> None:
         assert _get(f"{base}/healthz")[0] == 0
     finally:
         daemon.stop()
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
 
 
 async def _aget(url: str) -> tuple[int, str]:
