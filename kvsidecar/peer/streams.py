@@ -291,10 +291,10 @@ class DataStream:
             self._drain(True)
             return PeerGone(f"{self.endpoint} sent more than one packed frame")
         data = np.frombuffer(frame.buffer, dtype=np.uint8)
-        if data.nbytes != sum(d.nbytes for d in dests):
+        want = sum(d.nbytes for d in dests)
+        if data.nbytes != want:
             return PeerGone(
-                f"{self.endpoint} sent a packed frame of {data.nbytes} bytes for "
-                f"{sum(d.nbytes for d in dests)}"
+                f"{self.endpoint} sent a packed frame of {data.nbytes} bytes for {want}"
             )
         off = 0
         for dest in dests:

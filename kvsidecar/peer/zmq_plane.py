@@ -292,15 +292,11 @@ def published_only(
     # Only the layers the ranges name (a read chunk usually lies in one): the check costs per
     # chunk, not per layer of the engine.
     for li in np.unique(ranges[:, 0]).tolist():
-        layer = layers[li]
         mine = ranges[:, 0] == li
         start = ranges[mine, 1]
         last_byte = start + ranges[mine, 2] - 1
-        base = layer.mapped.flat.data_ptr()
         hit = np.zeros(len(start), dtype=bool)
-        for view in layer.block_views:
-            origin = view.data_ptr() - base
-            stride, row, count = max(int(view.stride(0)), 1), int(view.shape[1]), view.shape[0]
+        for origin, stride, row, count in _geometry(layers[li]):
             first, last = (start - origin) // stride, (last_byte - origin) // stride
             ok = (start >= origin) & (last < count)
             ok &= (start - origin - first * stride < row) & (
