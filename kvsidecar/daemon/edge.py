@@ -190,14 +190,7 @@ class Edge:
         part of a short command's round trip.
         """
         assert self._sock is not None
-        loop = asyncio.get_running_loop()
-        fd = int(self._sock.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._on_readable)
-        self._schedule_read()  # anything queued before the reader existed
-        try:
-            await loop.create_future()  # until cancelled
-        finally:
-            loop.remove_reader(fd)
+        await zmqio.serve_readable(self._sock, self._on_readable, self._schedule_read)
 
     def _schedule_read(self, *, from_thread: bool = False) -> None:
         """Queue one `_on_readable` on the loop unless one is queued already.

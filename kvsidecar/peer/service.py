@@ -256,14 +256,7 @@ class PeerService:
     async def _serve(self) -> None:
         """Serve the peer endpoint from a reader callback on its fd until cancelled."""
         assert self._sock is not None
-        loop = asyncio.get_running_loop()
-        fd = int(self._sock.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._on_peer_readable)
-        self._schedule_read()  # anything queued before the reader existed
-        try:
-            await loop.create_future()  # until cancelled
-        finally:
-            loop.remove_reader(fd)
+        await zmqio.serve_readable(self._sock, self._on_peer_readable, self._schedule_read)
 
     def _schedule_read(self) -> None:
         if not self._read_scheduled:

@@ -9,8 +9,9 @@ same with plain integers and each received frame's own ``more`` flag.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -82,6 +83,24 @@ def send_frames(
         if track and isinstance(sent, zmq.MessageTracker):
             trackers.append(sent)
     return trackers
+
+
+async def serve_readable(
+    sock: zmq.Socket[Any], on_readable: Callable[[], None], kick: Callable[[], None]
+) -> None:
+    """Call ``on_readable`` from the loop whenever ``sock``'s fd signals, until cancelled.
+
+    The fd is edge-triggered: ``on_readable`` must read (`try_recv`) until nothing is left, or
+    queue itself again. ``kick`` queues a first call, for what arrived before the reader existed.
+    """
+    loop = asyncio.get_running_loop()
+    fd = int(sock.getsockopt(zmq.FD))
+    loop.add_reader(fd, on_readable)
+    kick()
+    try:
+        await loop.create_future()  # until cancelled
+    finally:
+        loop.remove_reader(fd)
 
 
 def bind_or_close(sock: zmq.Socket[Any], endpoint: str, what: str) -> None:
