@@ -197,50 +197,48 @@ async def test_streams_keep_at_most_max_in_flight_reads_outstanding(
         producer.close()
 
 
+def _shorten(frames: list[Any]) -> None:
+    frames[1] = frames[1][:-1]
+
+
+def _lengthen(frames: list[Any]) -> None:
+    frames[1] += b"x"
+
+
+@pytest.mark.parametrize(
+    ("answer", "bend", "error", "untouched"),
+    [
+        (honest, _shorten, "frame of 99 bytes for 100", False),
+        # A packed frame is checked whole before any byte of it is copied out.
+        (packed, _lengthen, "packed frame of 131 bytes for 130", True),
+    ],
+    ids=["frame per range", "packed"],
+)
 async def test_a_frame_of_the_wrong_size_fails_only_its_chunk(
-    source: np.ndarray, link_factory: Callable[..., PeerLink]
+    source: np.ndarray,
+    link_factory: Callable[..., PeerLink],
+    answer: Answer,
+    bend: Callable[[list[Any]], None],
+    error: str,
+    untouched: bool,
 ) -> None:
-    def short_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
-        frames = honest(msg, ranges, src)
+    def bent_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        frames = answer(msg, ranges, src)
         if msg.id == 1 and frames is not None:
-            frames[1] = frames[1][:-1]
+            bend(frames)
         return frames
 
-    producer = Producer(source, short_first)
+    producer = Producer(source, bent_first)
     link = link_factory(producer.endpoint, streams=1)
     rows = np.array([[0, 0, 100], [1, 50, 30]], np.int64)
     try:
         bad = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
-        with pytest.raises(PeerGone, match="frame of 99 bytes for 100"):
+        with pytest.raises(PeerGone, match=error):
             await _read(link, rows, bad)
+        if untouched:
+            assert not bad[0].any() and not bad[1].any(), "nothing of a refused frame lands"
         good = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
         await _read(link, rows, good)  # the stream goes on: the rest was drained
-        np.testing.assert_array_equal(good[0], source[0, :100])
-        np.testing.assert_array_equal(good[1], source[1, 50:80])
-    finally:
-        await link.close()
-        producer.close()
-
-
-async def test_a_packed_frame_of_the_wrong_size_fails_only_its_chunk(
-    source: np.ndarray, link_factory: Callable[..., PeerLink]
-) -> None:
-    def long_first(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
-        frames = packed(msg, ranges, src)
-        if msg.id == 1 and frames is not None:
-            frames[1] += b"x"
-        return frames
-
-    producer = Producer(source, long_first)
-    link = link_factory(producer.endpoint, streams=1)
-    rows = np.array([[0, 0, 100], [1, 50, 30]], np.int64)
-    try:
-        bad = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
-        with pytest.raises(PeerGone, match="packed frame of 131 bytes for 130"):
-            await _read(link, rows, bad)
-        assert not bad[0].any() and not bad[1].any(), "nothing of a refused frame lands"
-        good = [np.zeros(100, np.uint8), np.zeros(30, np.uint8)]
-        await _read(link, rows, good)
         np.testing.assert_array_equal(good[0], source[0, :100])
         np.testing.assert_array_equal(good[1], source[1, 50:80])
     finally:
