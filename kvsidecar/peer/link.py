@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -123,10 +123,24 @@ class PeerLink:
     async def read(
         self, msg: ReadBlocks, frames: list[Any], dests: Sequence[Dest], *, timeout: float
     ) -> ReadData:
-        """Send a read on the least busy data stream; its data frames land in ``dests``.
+        """Send one read on the least busy data stream; its data frames land in ``dests``.
 
-        Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused`. When it raises,
-        or is cancelled, no byte of the reply lands after it returned.
+        As `read_all` with one read.
+        """
+        return (await self.read_all([(msg, frames, dests)], timeout=timeout))[0]
+
+    async def read_all(
+        self, reads: Iterable[tuple[ReadBlocks, list[Any], Sequence[Dest]]], *, timeout: float
+    ) -> list[ReadData]:
+        """Send every read (``msg``, its raw frames, where its data lands) and wait for them all.
+
+        Each goes to the least busy data stream as it comes, so the first is on its way while
+        the rest are still being made. One wait for all of them, not a task and a timer each:
+        those were most of this loop's time per chunk of a pull.
+
+        Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused` on the first read
+        that fails; the others are withdrawn then. When it raises, or is cancelled, no byte of
+        any reply lands after it returned.
         """
         self._check_usable()
         if not self._streams:
@@ -141,23 +155,32 @@ class PeerLink:
                 )
                 for i in range(n)
             ]
-        stream = min(self._streams, key=lambda s: s.in_flight)
-        stream.in_flight += 1
-        chunk = stream.submit(msg, frames, dests)
+        sent: list[tuple[DataStream, Chunk]] = []
         try:
-            done, _ = await asyncio.wait((chunk.future,), timeout=max(timeout, 0.0))
-            if not done:
-                await _withdraw(stream, chunk)
+            for msg, frames, dests in reads:
+                stream = min(self._streams, key=lambda s: s.in_flight)
+                stream.in_flight += 1
+                sent.append((stream, stream.submit(msg, frames, dests)))
+            futures = [chunk.future for _, chunk in sent]
+            done, _ = await asyncio.wait(
+                futures, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_EXCEPTION
+            )
+            error = next((e for f in futures if f.done() and (e := f.exception())), None)
+            if error is not None:
+                raise error
+            if len(done) < len(futures):
                 raise PeerGone(f"no reply from {self.endpoint} to a read within {timeout:.1f} s")
-        except asyncio.CancelledError:
-            await _withdraw(stream, chunk)
+            replies = [f.result() for f in futures]
+        except BaseException:
+            await _withdraw_all(sent)
             raise
         finally:
-            stream.in_flight -= 1
-        reply = chunk.future.result()
-        if not isinstance(reply, ReadData):
-            raise PeerGone(f"unexpected {type(reply).__name__} to a read")
-        return reply
+            for stream, _ in sent:
+                stream.in_flight -= 1
+        for reply in replies:
+            if not isinstance(reply, ReadData):
+                raise PeerGone(f"unexpected {type(reply).__name__} to a read")
+        return replies
 
     async def send(self, msg: PeerRequest) -> None:
         """Send a message that has no reply (a notification)."""
@@ -232,9 +255,15 @@ class PeerLink:
         self._streams = []
 
 
-async def _withdraw(stream: DataStream, chunk: Chunk) -> None:
-    """Give a chunk up; if its reply is landing already, wait until the copy is over."""
-    if not stream.cancel(chunk):
-        await asyncio.wait((chunk.future,))
-        if not chunk.future.cancelled():
+async def _withdraw_all(sent: list[tuple[DataStream, Chunk]]) -> None:
+    """Give up every chunk not settled yet; wait until the copies of those landing are over."""
+    landing = [
+        chunk.future
+        for stream, chunk in sent
+        if not chunk.future.done() and not stream.cancel(chunk)
+    ]
+    if landing:
+        await asyncio.wait(landing)
+    for _, chunk in sent:
+        if chunk.future.done() and not chunk.future.cancelled():
             chunk.future.exception()  # retrieved: the caller reports its own failure

