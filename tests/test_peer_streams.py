@@ -1,4 +1,4 @@
-"""The ZMQ plane's data streams (kvsidecar/peer/streams.py, `PeerLink.read`) on real sockets.
+"""The ZMQ plane's data streams (peer/streams.py, `PeerLink.read` and `read_all`), real sockets.
 
 A small producer runs on a thread of the test with its own ZeroMQ context and a ROUTER on
 loopback TCP: it answers each `ReadBlocks` with the requested byte ranges of a source array
@@ -21,8 +21,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvsidecar.peer.link import PeerGone, PeerLink
-from kvsidecar.peer.messages import PeerRequest, ReadBlocks, ReadData
+from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
+from kvsidecar.peer.messages import PeerError, PeerRequest, ReadBlocks, ReadData
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,6 +266,52 @@ async def test_a_chunk_given_up_is_never_written(
         await _read(link, rows, [other])
         np.testing.assert_array_equal(other, source[2, 1000:5096])
         assert not dest.any(), "a reply to a read that was given up was written"
+    finally:
+        await link.close()
+        producer.close()
+
+
+async def test_a_refused_chunk_fails_its_read_all_and_the_rest_never_land(
+    source: np.ndarray, link_factory: Callable[..., PeerLink]
+) -> None:
+    # One `read_all` of six chunks: the second is refused at once, the last four are answered
+    # late (after the consumer gave them up). The refusal ends the call; nothing of the four
+    # lands afterwards, and the link serves the next read as usual.
+    def refuse_second(msg: ReadBlocks, ranges: np.ndarray, src: np.ndarray) -> list[Any] | None:
+        if msg.id == 2:
+            return [msgspec.msgpack.encode(PeerError(id=2, code="expired", message="no"))]
+        if msg.id > 2:
+            time.sleep(0.2)
+        return honest(msg, ranges, src)
+
+    producer = Producer(source, refuse_second)
+    # One stream: the reads reach the (sequential) producer in order, the refusal before the
+    # late ones.
+    link = link_factory(producer.endpoint, streams=1, in_flight=6)
+    rows = np.array([[1, 512, 2048]], np.int64)
+    frame = np.ascontiguousarray(rows, dtype="<i8")
+    dests = [np.zeros(2048, np.uint8) for _ in range(6)]
+    reads = [
+        (
+            ReadBlocks(
+                id=link.next_id(), engine_id="p", tp_rank=0, pp_rank=0, request_id="r", layers=["a"]
+            ),
+            [frame],
+            [d],
+        )
+        for d in dests
+    ]
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerRefused, match="expired"):
+            await link.read_all(reads, timeout=10)
+        assert time.monotonic() - started < 0.2, "the refusal did not end the call at once"
+        await asyncio.sleep(1.2)  # every late reply has come by now, and was drained
+        for late in dests[2:]:
+            assert not late.any(), "a chunk given up was written after read_all returned"
+        other = np.zeros(2048, np.uint8)
+        await _read(link, rows, [other])
+        np.testing.assert_array_equal(other, source[1, 512 : 512 + 2048])
     finally:
         await link.close()
         producer.close()
