@@ -12,16 +12,17 @@ replies (docs/protocol.md).
 
 The planes are measured in two phases, each with its own pair of daemons:
 
-- **ZMQ plane**, daemons with ``peer_data_plane=zmq``: an idle NIXL agent's UCX progress thread
-  busy-polls a core (docs/benchmarks.md), so daemons that have one would measure that thread's
-  share of this machine, not the plane. Baselines: a raw pyzmq PUSH -> PULL stream of the same
-  bytes over loopback TCP in 1 MiB zero-copy frames received into a touched buffer with
-  ``recv_into`` (what a transfer has to do), by a receiver with glibc's default settings, and by
-  one with the daemon's (`kvsidecar.wire.zmq_memory`), so that the plane is compared like with
-  like too. Each receiver is a process of its own with a connection that stays up.
+- **ZMQ plane**, daemons with ``peer_data_plane=zmq`` (no NIXL agent, whose UCX progress
+  thread wakes every ``peer_nixl_wakeup_ms``, or busy-polls a core with 0). Baselines: a raw
+  pyzmq PUSH -> PULL stream of the same bytes over loopback TCP in 1 MiB zero-copy frames
+  received into a touched buffer with ``recv_into`` (what a transfer has to do), by a receiver
+  with glibc's default settings, and by one with the daemon's (`kvsidecar.wire.zmq_memory`), so
+  that the plane is compared like with like too. Each receiver is a process of its own with a
+  connection that stays up.
 - **NIXL plane**, daemons with ``peer_data_plane=nixl``. Baseline: what an expert writes with
   NIXL: one descriptor for the whole buffer on each side, prepared once, and one READ
-  transfer per repetition on that prepared handle, polled with the plane's backoff.
+  transfer per repetition on that prepared handle, polled with the plane's backoff; both of its
+  agents' progress threads sleep between events, as the daemons' do (`new_agent`).
 
 Within a phase, the methods take turns repetition by repetition, so they share the load.
 """
@@ -106,7 +107,9 @@ class RawNixl:
     """A NIXL target process and a reader agent here: one prepared READ of ``nbytes``."""
 
     def __init__(self, nbytes: int, dest: torch.Tensor) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent_config
+
+        from kvsidecar.peer.nixl_plane import new_agent
 
         self.target = _raw_proc("nixl-target", str(nbytes))
         try:
@@ -116,7 +119,8 @@ class RawNixl:
             while line and not line.startswith("META "):  # NIXL logs to stdout too
                 line = self.target.stdout.readline()
             meta_hex, addr = line.split()[1:]
-            agent = nixl_agent("raw-reader", nixl_agent_config(backends=["UCX"]))
+            # A progress thread that sleeps between events, as the daemons' (`new_agent`).
+            agent = new_agent("raw-reader", nixl_agent_config(backends=["UCX"]))
             agent.register_memory(dest)
             name = agent.add_remote_agent(bytes.fromhex(meta_hex))
             # One descriptor per side for the whole buffer, prepared once; the handle is

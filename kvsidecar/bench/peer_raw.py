@@ -100,10 +100,13 @@ def zmq_recv(nbytes: int, frame: int, keep: bool) -> None:
 def nixl_target(nbytes: int) -> None:
     """Expose a registered buffer to a NIXL reader until stdin closes."""
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent_config
+
+    from kvsidecar.peer.nixl_plane import new_agent
 
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    agent = nixl_agent("raw-target", nixl_agent_config(backends=["UCX"]))
+    agent = new_agent("raw-target", nixl_agent_config(backends=["UCX"]))  # as the daemons'
+
     agent.register_memory(buf)
     print("META", bytes(agent.get_agent_metadata()).hex(), buf.data_ptr(), flush=True)
     sys.stdin.read()

@@ -96,6 +96,7 @@ class Config:
     peer_max_in_flight: int = 8
     peer_chunk_bytes: int = 4 << 20
     peer_streams: int = 2
+    peer_nixl_wakeup_ms: int = 1
     peer_keep_freed_memory: bool = True
     # --- metrics endpoint ---
     metrics_host: str = "127.0.0.1"
@@ -178,6 +179,8 @@ class Config:
             raise ConfigError("peer_chunk_bytes must be >= 4096")
         if not 1 <= self.peer_streams <= 64:
             raise ConfigError("peer_streams must be 1..64")
+        if not 0 <= self.peer_nixl_wakeup_ms <= 60_000:
+            raise ConfigError("peer_nixl_wakeup_ms must be 0..60000")
         # --- metrics endpoint ---
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(

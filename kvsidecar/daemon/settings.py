@@ -159,6 +159,13 @@ SETTINGS: tuple[Setting, ...] = (
         "(ZeroMQ I/O threads: as many); a pull's chunks are spread over them.",
     ),
     Setting(
+        "peer_nixl_wakeup_ms",
+        int,
+        1,
+        "How often NIXL's UCX progress thread wakes when no event woke it (ms; it sleeps on "
+        "the UCX workers' event fds otherwise). 0: NIXL's own default, a busy poll of a core.",
+    ),
+    Setting(
         "peer_keep_freed_memory",
         bool,
         True,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
+import threading
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -29,6 +31,59 @@ from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
 
 log = logging.getLogger("kvsidecar.peer.nixl")
+
+
+WAKEUP_MS = 1
+"""Default period of the UCX progress thread's wake-ups when no event woke it (`new_agent`)."""
+
+_constructing = threading.Lock()
+
+
+class _Bindings:
+    """NIXL's native module with some names replaced (`new_agent`)."""
+
+    def __init__(self, native: Any, **replaced: Any) -> None:
+        self._native = native
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._native, name)
+
+
+def new_agent(name: str, config: Any, *, wakeup_ms: int = WAKEUP_MS) -> Any:
+    """Create a ``nixl_agent`` whose UCX progress thread sleeps until it has work.
+
+    The UCX backend's shared progress thread waits in ``poll()`` on its workers' event fds,
+    with the agent's ``pthrDelay`` (µs, rounded up to whole ms) as the timeout: a periodic
+    wake-up that NIXL keeps for fds that ``poll`` can miss. NIXL's Python ``nixl_agent`` sets
+    ``pthrDelay`` to 0, so the thread never sleeps: it busy-polls a core for the agent's whole
+    life (two idle agents used 2.00 of this machine's 2 cores; 0.05 with 1 ms, and a 64 MiB
+    READ between them took as long). The Python API has no option for it, so the native
+    constructor is wrapped for this one construction. ``wakeup_ms`` 0 keeps NIXL's busy poll;
+    so does a NIXL whose bindings have no such field (logged).
+    """
+    from nixl._api import nixl_agent
+
+    module = sys.modules[nixl_agent.__module__]
+    native: Any = getattr(module, "nixlBind", None)
+    config_type = getattr(native, "nixlAgentConfig", None)
+    if wakeup_ms <= 0:
+        return nixl_agent(name, config)
+    if config_type is None or not hasattr(config_type(), "pthrDelay"):
+        log.warning("this NIXL has no pthrDelay: its progress thread busy-polls a core")
+        return nixl_agent(name, config)
+    make = native.nixlAgent
+
+    def make_sleeping(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = wakeup_ms * 1000
+        return make(agent_name, agent_config)
+
+    with _constructing:
+        setattr(module, "nixlBind", _Bindings(native, nixlAgent=make_sleeping))  # noqa: B010
+        try:
+            return nixl_agent(name, config)
+        finally:
+            setattr(module, "nixlBind", native)  # noqa: B010
 
 
 def nixl_available() -> bool:
@@ -45,8 +100,8 @@ class NixlPlane(DataPlane):
 
     name = "nixl"
 
-    def __init__(self, agent_name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    def __init__(self, agent_name: str, *, wakeup_ms: int = WAKEUP_MS) -> None:
+        from nixl._api import nixl_agent_config, nixl_thread_sync_t
 
         self.agent_name = agent_name
         # The agent is used from the loop and from the thread that posts transfers (`read`):
@@ -56,7 +111,7 @@ class NixlPlane(DataPlane):
         config = nixl_agent_config(
             backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
         )
-        self._agent: Any = nixl_agent(agent_name, config)
+        self._agent: Any = new_agent(agent_name, config, wakeup_ms=wakeup_ms)
         # NIXL installs its own stdout handler at INFO on import; route its records through ours
         # so --log-level and --log-format json apply to them too.
         nixl_log = logging.getLogger("nixl")

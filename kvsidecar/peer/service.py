@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import socket
@@ -147,7 +148,10 @@ class PeerService:
             try:
                 # Creating an agent takes most of a second: keep the loop free meanwhile.
                 self.nixl = await asyncio.get_running_loop().run_in_executor(
-                    None, NixlPlane, self.daemon_id
+                    None,
+                    functools.partial(
+                        NixlPlane, self.daemon_id, wakeup_ms=self.config.peer_nixl_wakeup_ms
+                    ),
                 )
                 self.planes["nixl"] = self.nixl
             except Exception as exc:
@@ -157,10 +161,10 @@ class PeerService:
     async def start(self) -> None:
         """Create the NIXL agent (if configured), bind the peer endpoint, start the lease sweep."""
         cfg = self.config
-        # NIXL's UCX progress thread busy-polls a core for the agent's whole life. A producer
-        # (peer endpoint set) needs it from the start to serve reads; in "auto" mode a daemon
-        # without a peer endpoint creates its agent at its first pull instead (`ensure_nixl`),
-        # so a daemon that never pulls never spends a core on it.
+        # A NIXL agent costs a progress thread, UCX workers and registrations (and, with
+        # peer_nixl_wakeup_ms=0, a core busy-polling). A producer (peer endpoint set) needs it
+        # from the start to serve reads; in "auto" mode a daemon without a peer endpoint creates
+        # its agent at its first pull instead (`ensure_nixl`), so one that never pulls has none.
         if cfg.peer_data_plane == "nixl" or (cfg.peer_data_plane == "auto" and cfg.peer_endpoint):
             await self.ensure_nixl()
             if self.nixl is None and cfg.peer_data_plane == "nixl":
