@@ -10,7 +10,9 @@ before the rounds so that a profiler can attach. ``--flag key=value`` passes dae
 (``peer_chunk_bytes=8388608``) to both daemons. ``--random``: the caches hold twice the blocks
 and each pull reads a random half of them into other random ids (the ranges are single blocks, as
 with the block ids an engine's allocator hands out), instead of every block into the same ids.
-``--plane nixl``: the pulls go over NIXL, between daemons with NIXL agents.
+``--plane nixl``: the pulls go over NIXL, between daemons with NIXL agents. ``--cpu``: also the
+CPU time each pull cost the two daemons, by thread (event loop, ZeroMQ I/O threads, the rest),
+and each raw stream its two processes (from ``/proc`` and ``getrusage``), per round on average.
 
     .venv/bin/python benchmarks/probe_peer_plane.py [--mib 1024] [--rounds 5]
 """
@@ -18,8 +20,11 @@ with the block ids an engine's allocator hands out), instead of every block into
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
+import os
+import resource
 import statistics
 import sys
 import time
@@ -72,6 +77,31 @@ class RawStream:
         self.ctx.term()
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _threads_cpu(pid: int, role: str) -> dict[str, float]:
+    """CPU seconds so far of process ``pid``'s threads, by kind: ``role/loop``, ``role/zmq-io``
+    (libzmq's I/O threads) and ``role/other``."""
+    out: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        kind = "loop" if int(tid) == pid else "zmq-io" if name.startswith("ZMQbg/IO") else "other"
+        out[f"{role}/{kind}"] += (int(fields[11]) + int(fields[12])) / _TICK
+    return dict(out)
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _settings(pairs: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for kv in pairs:
@@ -114,6 +144,7 @@ def main() -> int:
     parser.add_argument(
         "--plane", default="zmq", choices=["zmq", "nixl"], help="nixl: daemons with NIXL agents"
     )
+    parser.add_argument("--cpu", action="store_true", help="CPU per pull and per raw stream")
     parser.add_argument("--flag", action="append", default=[], help="both daemons' setting")
     parser.add_argument(
         "--flag-b", action="append", default=[], help="a second consumer daemon, these settings"
@@ -168,17 +199,44 @@ def main() -> int:
             raw_stream.once(raw_dest)  # warm: the connection's buffers grow on first use
         time.sleep(args.wait)
         rates: dict[str, list[float]] = {}
+        cpu: collections.Counter[str] = collections.Counter()
+
+        def daemons_cpu() -> collections.Counter[str]:
+            got: collections.Counter[str] = collections.Counter()
+            if args.cpu:
+                got.update(_threads_cpu(prod.pid, "producer"))
+                got.update(_threads_cpu(consumers["plane"][1].pid, "consumer"))
+            return got
+
         for r in range(args.rounds):
             line = []
             for name, cc in clients.items():
+                before = daemons_cpu() if name == "plane" else None
                 pulled, seconds = _pull(pc, cc, endpoint, ids, args.plane)
+                if before is not None:
+                    cpu.update(daemons_cpu() - before)
                 rates.setdefault(name, []).append(nbytes / seconds / 1e9)
                 if pulled.failed:
                     raise RuntimeError(pulled)
             if raw_stream is not None:
-                rates.setdefault("raw", []).append(nbytes / raw_stream.once(raw_dest) / 1e9)
+                sender = raw_stream.proc.pid
+                if args.cpu:
+                    mine, theirs = _self_cpu(), sum(_threads_cpu(sender, "").values())
+                took = raw_stream.once(raw_dest)
+                if args.cpu:
+                    cpu["raw/receiver (this process)"] += _self_cpu() - mine
+                    cpu["raw/sender"] += sum(_threads_cpu(sender, "").values()) - theirs
+                rates.setdefault("raw", []).append(nbytes / took / 1e9)
             line = [f"{k} {v[-1]:.2f}" for k, v in rates.items()]
             print(f"round {r}: " + ", ".join(line) + " GB/s", flush=True)
+        if args.cpu:
+            print(f"CPU per round, ms ({args.rounds} rounds; the publish is not counted):")
+            for key, seconds in sorted(cpu.items()):
+                print(f"  {key:28s} {seconds / args.rounds * 1e3:7.1f}")
+            for side in ("producer", "consumer", "raw"):
+                total = sum(v for k, v in cpu.items() if k.startswith(side + "/"))
+                if total:
+                    print(f"  {side + ' total':28s} {total / args.rounds * 1e3:7.1f}")
         base = "raw" if "raw" in rates else "plane"
         for name, values in rates.items():
             ratio = statistics.median(a / b for a, b in zip(values, rates[base], strict=True))
