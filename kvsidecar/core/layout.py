@@ -8,6 +8,8 @@ Vocabulary (the same as ``types.BufferDescriptor``):
   one tensor for K and one for V) or ``(B, N, C)`` (``mla``). ``vllm_cpu`` is vLLM's CPU attention
   cache, ``(B, H, N, 2C)``: per block and head, K stored transposed as ``(C, N)``, then V as
   ``(N, C)``. Its K and V are interleaved head by head, so its one *region* is the whole block.
+  ``vllm_cpu_amx`` is the same tensor as vLLM's AMX kernels pack it (K and V in tiles of 16
+  tokens or channels, see ``types.Arrangement``); it is described and moved the same way.
 - The *memory order* says how one block's K or V region sits in memory: NHD is ``(N, H, C)``,
   HND is ``(H, N, C)``. Blocks are always the slowest dim inside their region.
 - A *region* is one block's K part or V part (or its whole latent for MLA): ``block_len`` bytes.
@@ -26,13 +28,14 @@ shares this module's checks and memory-order views (``check_*``, ``to_memory_ord
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 import torch
 
 from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
 __all__ = [
+    "CPU_PACKED",
     "LayoutError",
     "ShapeOrder",
     "block_bytes",
@@ -59,9 +62,14 @@ __all__ = [
 ShapeOrder: TypeAlias = Literal["NH", "HN"]
 """Order in which a tensor's *shape* lists tokens (N) and heads (H); independent of memory order."""
 
-_ARRANGEMENTS: tuple[Arrangement, ...] = ("kv_first", "blocks_first", "split", "mla", "vllm_cpu")
+_ARRANGEMENTS: tuple[Arrangement, ...] = get_args(Arrangement)
 _MEMORY_ORDERS: tuple[MemoryOrder, ...] = ("NHD", "HND")
-_RANK = {"kv_first": 5, "blocks_first": 5, "split": 4, "mla": 3, "vllm_cpu": 4}
+_RANK = dict(zip(_ARRANGEMENTS, (5, 5, 4, 3, 4, 4), strict=True))
+"""Dims of each arrangement's tensor, in `Arrangement`'s order."""
+CPU_PACKED: tuple[Arrangement, ...] = ("vllm_cpu", "vllm_cpu_amx")
+"""vLLM's CPU caches ``(B, H, N, 2C)``: K and V of a head packed inside each block, by the ``vec``
+kernels (``vllm_cpu``) or the ``amx`` ones (``vllm_cpu_amx``). Alike everywhere but in how
+packed blocks are re-blocked (`kvsidecar.core.fixes`), and never exchanged with each other."""
 
 
 class LayoutError(ValueError):
@@ -139,7 +147,7 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """
     _check_descriptor(desc)
     b, n, h, c = desc.num_blocks, desc.block_size, desc.num_heads, desc.head_size
-    if desc.arrangement == "vllm_cpu":
+    if desc.arrangement in CPU_PACKED:
         return (b, h, n, 2 * c)
     if desc.arrangement == "kv_first":
         return (2, b, n, h, c)
@@ -157,7 +165,7 @@ def memory_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     ``vllm_cpu``'s shape is its memory order already).
     """
     shape = logical_shape(desc)
-    if desc.memory_order == "HND" and desc.arrangement not in ("mla", "vllm_cpu"):
+    if desc.memory_order == "HND" and desc.arrangement not in ("mla", *CPU_PACKED):
         return (*shape[:-3], shape[-2], shape[-3], shape[-1])
     return shape
 
@@ -168,7 +176,7 @@ def block_len(desc: BufferDescriptor) -> int:
     A ``vllm_cpu`` block interleaves K and V head by head: its one region is the whole block.
     """
     itemsize = _check_descriptor(desc).itemsize
-    regions_per_block = 2 if desc.arrangement == "vllm_cpu" else 1
+    regions_per_block = 2 if desc.arrangement in CPU_PACKED else 1
     return regions_per_block * desc.block_size * desc.num_heads * desc.head_size * itemsize
 
 
@@ -192,7 +200,7 @@ def to_memory_order(
     t: torch.Tensor, arrangement: Arrangement, memory_order: MemoryOrder, shape_order: ShapeOrder
 ) -> torch.Tensor:
     """Return a view of ``t`` whose dims follow memory order (``memory_shape``); no stride check."""
-    if arrangement in ("mla", "vllm_cpu"):
+    if arrangement in ("mla", *CPU_PACKED):
         return t
     heads_first_in_memory = memory_order == "HND"
     heads_first_in_shape = shape_order == "HN"
@@ -259,8 +267,8 @@ def describe_tensor(
             raise LayoutError(f"mla tensor {layout_hint(t, 'contiguous', shape_order)}")
         b, n, c = t.shape
         return BufferDescriptor("mla", "NHD", _dtype_name(t.dtype), b, n, 1, c)
-    if arrangement == "vllm_cpu":
-        return _describe_vllm_cpu(t)
+    if arrangement in CPU_PACKED:
+        return _describe_vllm_cpu(t, arrangement)
     if memory_order is None:
         # Prefer the order the shape suggests; with H == 1 or N == 1 both fit, with the same bytes.
         preferred: tuple[MemoryOrder, ...] = (
@@ -282,15 +290,20 @@ def describe_tensor(
     return BufferDescriptor(arrangement, memory_order, _dtype_name(t.dtype), b, n, h, shape[-1])
 
 
-def _describe_vllm_cpu(t: torch.Tensor) -> BufferDescriptor:
+def _describe_vllm_cpu(t: torch.Tensor, arrangement: Arrangement) -> BufferDescriptor:
     """Describe vLLM's CPU cache tensor ``(B, H, N, 2C)``: dense, an even last dim (K and V)."""
     b, h, n, c2 = t.shape
+    shape = tuple(t.shape)
     if c2 % 2:
-        raise LayoutError(f"vllm_cpu tensor needs an even last dim (K and V), got {tuple(t.shape)}")
+        raise LayoutError(f"{arrangement} tensor needs an even last dim (K and V), got {shape}")
     if not t.is_contiguous():
-        raise LayoutError(f"vllm_cpu tensor {layout_hint(t, 'contiguous (B, H, N, 2C)', 'HN')}")
+        raise LayoutError(
+            f"{arrangement} tensor {layout_hint(t, 'contiguous (B, H, N, 2C)', 'HN')}"
+        )
+    if arrangement == "vllm_cpu_amx" and (n % 16 or (c2 // 2) % 16):  # 16-wide tiles of K and V
+        raise LayoutError(f"vllm_cpu_amx needs 16 | block size and 16 | head size, got {shape}")
     # HND by convention: heads are the outer dim inside a block, as in an HND region.
-    return BufferDescriptor("vllm_cpu", "HND", _dtype_name(t.dtype), b, n, h, c2 // 2)
+    return BufferDescriptor(arrangement, "HND", _dtype_name(t.dtype), b, n, h, c2 // 2)
 
 
 def view_buffer(
@@ -340,7 +353,7 @@ def block_views(cache_logical: torch.Tensor, desc: BufferDescriptor) -> list[tor
     orders: list[ShapeOrder] = []
     if tuple(cache_logical.shape) == logical:
         orders.append("NH")
-    if desc.arrangement not in ("mla", "vllm_cpu") and tuple(cache_logical.shape) == swapped:
+    if desc.arrangement not in ("mla", *CPU_PACKED) and tuple(cache_logical.shape) == swapped:
         orders.append("HN")
     if not orders:
         raise LayoutError(

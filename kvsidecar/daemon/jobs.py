@@ -23,6 +23,7 @@ import torch
 
 from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received
+from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.memory import cuda_ipc, cuda_sync
 from kvsidecar.memory.base import HandleError
@@ -135,8 +136,8 @@ def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
 
 
 def _needs_fix(src: BufferDescriptor, dst: BufferDescriptor, ratio: int) -> bool:
-    if src.arrangement == "vllm_cpu":
-        return ratio > 1  # K is stored transposed: packed blocks never read as one block
+    if src.arrangement in CPU_PACKED:
+        return ratio > 1  # K or V packed across tokens: packed blocks never read as one block
     if src.arrangement == "mla" or src.num_heads == 1:
         return False  # one head: token order is the only order, concatenation is already right
     return src.memory_order != dst.memory_order or (ratio > 1 and dst.memory_order == "HND")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvsidecar.core import layout
+from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.core.topology import EngineTransferInfo
 from kvsidecar.daemon.registry import Engine, Worker
 from kvsidecar.peer.messages import CompatInfo, PeerEngine, PeerWorker
@@ -140,11 +141,20 @@ def check_compatible(local: PeerEngine, remote: PeerEngine) -> None:
         "split": 1,
         "mla": 1,
         "vllm_cpu": 1,  # K and V interleave head by head: one region per block
+        "vllm_cpu_amx": 1,
     }
     if regions[local.arrangement] != regions[remote.arrangement]:
         raise IncompatiblePeer(
             f"arrangement {local.arrangement!r} here vs {remote.arrangement!r} remote: K and V "
             "are split differently"
+        )
+    packed = {local.arrangement, remote.arrangement} & set(CPU_PACKED)
+    if packed and local.arrangement != remote.arrangement:
+        # Both one region per block, but packed inside it differently (vLLM's vec and amx
+        # kernels): the bytes of one are not blocks of the other.
+        raise IncompatiblePeer(
+            f"arrangement {local.arrangement!r} here vs {remote.arrangement!r} remote: vLLM's CPU "
+            "kernels pack a block differently"
         )
     if local.block_size % remote.block_size:
         raise IncompatiblePeer(

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.core import layout
+from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.core.topology import EngineTransferInfo, TopologyError, TransferTopology
 from kvsidecar.peer.messages import PeerEngine, PeerWorker
 from kvsidecar.wire.types import BufferDescriptor, MemoryOrder
@@ -106,8 +107,8 @@ class RankPlan:
 
 
 def _needs_fix(remote: BufferDescriptor, local: BufferDescriptor, ratio: int) -> bool:
-    if local.arrangement == "vllm_cpu":
-        return ratio > 1  # K is stored transposed: packed blocks never read as one block
+    if local.arrangement in CPU_PACKED:
+        return ratio > 1  # K or V packed across tokens: packed blocks never read as one block
     if local.arrangement == "mla" or local.num_heads == 1:
         return False  # one head: token order is the only order, concatenation is already right
     same = remote.memory_order == local.memory_order
@@ -212,9 +213,9 @@ def _sources(
         if local.compat.is_mla:
             return [(targets[0], 0, rbl, 0)], targets, expected
         ratio = topo.tp_ratio(remote.tp_size)
-        if ratio != 1 and "vllm_cpu" in (ldesc.arrangement, rdesc.arrangement):
+        if ratio != 1 and {ldesc.arrangement, rdesc.arrangement} & set(CPU_PACKED):
             raise PlanError(
-                "heterogeneous TP is not supported for vLLM's CPU cache layout (vllm_cpu): "
+                "heterogeneous TP is not supported for vLLM's CPU cache layouts (vllm_cpu*): "
                 f"local TP {local.tp_size}, remote TP {remote.tp_size}"
             )
         if ratio == 1:

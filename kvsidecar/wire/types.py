@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu"]
+Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu", "vllm_cpu_amx"]
 """How K and V sit in one registered tensor.
 
 - ``kv_first``: ``(2, B, N, H, C)`` (FlashAttention)
@@ -20,6 +20,11 @@ Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu"]
 - ``vllm_cpu``: ``(B, H, N, 2C)``, vLLM's CPU attention cache (its ``vec`` kernels): per block
   and head, K stored transposed ``(C, N)`` followed by V ``(N, C)``. Added after protocol 1
   shipped; a daemon that predates it refuses such a descriptor with ``invalid_message``.
+- ``vllm_cpu_amx``: the same tensor as packed by vLLM's ``amx`` kernels (bfloat16, block sizes
+  a multiple of 32, on CPUs with AMX): per block and head, K in tiles of 16 tokens, each
+  ``(C/2, 16, 2)`` (channel pairs, then tokens, then the pair), followed by V in groups of 16
+  channels, each ``(N/2, 16, 2)`` (token pairs, then channels, then the pair). Added like
+  ``vllm_cpu``, after it.
 """
 
 MemoryOrder = Literal["NHD", "HND"]
