@@ -12,9 +12,11 @@ The checks: a prefix computed by ``a`` is loaded by ``b`` (same tokens, ``num_ca
 covering it, the bytes in daemon 1's metrics), and a poisoned cache changes ``b``'s output (so the
 equalities mean something); a prefill on ``a`` decoded by ``b`` through daemon 1, and by ``c``
 through daemon 2 pulling from daemon 1 (32-token blocks into 64-token ones), the decode engine
-computing only the last prompt token; daemon 2 killed under ``c`` (it keeps serving, correctly)
+computing only the last prompt token (on a CPU with AMX that re-blocking pull is refused and
+``c`` computes: docs/vllm.md, "AMX"); daemon 2 killed under ``c`` (it keeps serving, correctly)
 and started again (``c`` registers again and stores again, without a restart); ``a`` killed with a
-published prefill nobody reads (daemon 1 releases both).
+published prefill nobody reads (daemon 1 releases both). And vLLM's own CPU kernels pack blocks as
+tests/support/vllm_layout.py's models say (``vllm_cpu``, ``vllm_cpu_amx``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from kvsidecar.client import SidecarClient
 from kvsidecar.daemon.config import Config
+from kvsidecar.wire.types import Arrangement
 from tests.support import ROOT
 from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, make_config
@@ -194,6 +197,41 @@ def baseline(rig: Rig) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): r["tokens"] for p, r in zip(EVERY, out, strict=True)}
 
 
+@pytest.fixture(scope="module")
+def kernel_packing() -> dict[str, Any]:
+    """vLLM's CPU kernels against tests/support/vllm_layout.py (helpers/vllm_kernel_packing)."""
+    out = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_kernel_packing"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def arrangement(kernel_packing: dict[str, Any]) -> Arrangement:
+    """The arrangement the test model's caches have here: vLLM picks its kernels by CPU."""
+    return "vllm_cpu_amx" if kernel_packing["isa"] == "amx" else "vllm_cpu"
+
+
+def test_vllms_cpu_kernels_pack_blocks_as_the_layouts_say(kernel_packing: dict[str, Any]) -> None:
+    """The layouts' models (which the daemon's fixes are tested against) are vLLM's packing.
+
+    For the kernels vLLM picks on this machine and for its portable ``vec`` ones, blocks of 32
+    and 64 tokens written by ``cpu_attn_reshape_and_cache`` equal, element by element, the
+    model of `tests.support.vllm_layout` (``vllm_cpu`` for ``vec``, ``vllm_cpu_amx`` for ``amx``).
+    """
+    checks = kernel_packing["checks"]
+    assert {c[0] for c in checks} >= {"vec", kernel_packing["isa"]}
+    assert kernel_packing["isa"] in ("vec", "amx"), kernel_packing  # a kernel with no model yet
+    assert all(c[-1] for c in checks), checks
+
+
 def metric(daemon: DaemonProcess, name: str, **labels: str) -> float:
     with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
         port = c.daemon.metrics_port if c.daemon is not None else 0
@@ -212,7 +250,7 @@ def block_hashes(prompt: list[int], block_size: int = 32) -> list[bytes]:
 
 
 def test_a_prefix_computed_by_one_engine_is_loaded_by_another(
-    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]], arrangement: Arrangement
 ) -> None:
     a, b = rig.engines["a"], rig.engines["b"]
     first = a.generate(SHARED)
@@ -237,11 +275,12 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another(
     layouts = {
         lb.descriptor.arrangement for w in engines[b.ready["engine_id"]].workers for lb in w.layers
     }
-    assert layouts == {"vllm_cpu"}  # the packing inside a block was checked against vLLM's kernel
+    # The packing inside a block was checked against vLLM's kernel (by the connector at start).
+    assert layouts == {arrangement}
 
 
 def test_a_poisoned_cache_changes_the_output(
-    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]], arrangement: Arrangement
 ) -> None:
     """The negative control: blocks of the wrong contents under a prompt's keys change b's tokens.
 
@@ -258,7 +297,7 @@ def test_a_poisoned_cache_changes_the_output(
     }
     with SidecarClient(rig.d1.config.endpoint) as poisoner:
         (space,) = poisoner.status().cache_namespaces  # the one a and b share
-        poisoner.register_kv_caches(caches, engine_id="poisoner", arrangement="vllm_cpu")
+        poisoner.register_kv_caches(caches, engine_id="poisoner", arrangement=arrangement)
         stored = poisoner.submit_cache_store(space.fingerprint, keys, [1, 2, 3, 4]).result()
         assert stored.stored == 4
     out = b.generate(POISONED)[0]
@@ -299,18 +338,28 @@ def test_a_prefill_decoded_on_the_same_daemon(
 
 
 def test_a_prefill_decoded_through_two_daemons_from_32_to_64_token_blocks(
-    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]], arrangement: Arrangement
 ) -> None:
     a, c = rig.engines["a"], rig.engines["c"]
     params = prefills(a, PD_TCP, baseline)
     assert {p["remote_endpoint"] for p in params} == {rig.d1.config.peer_endpoint}
     assert {p["remote_block_size"] for p in params} == {32}
+    assert {p["remote_layout"] for p in params} == {arrangement}
     out = c.generate(PD_TCP, params=params)
+    engine = c.ready["engine_id"]
+    pulled = metric(rig.d2, "kvsidecar_moved_bytes_total", kind="peer_recv", engine=engine)
+    if arrangement == "vllm_cpu_amx":
+        # On CPUs with AMX, vLLM's amx attention died on the first step after such a pull (the
+        # daemon's re-blocking is checked in tests/test_vllm_cpu_layout.py): the connector
+        # refuses it, and c computes the prompts itself, correctly (docs/vllm.md, "AMX").
+        for prompt, r in zip(PD_TCP, out, strict=True):
+            assert r["tokens"] == baseline[tuple(prompt)]
+            assert r["num_cached_tokens"] == 0
+        assert pulled == 0
+        return
     for prompt, r in zip(PD_TCP, out, strict=True):
         assert r["tokens"] == baseline[tuple(prompt)]
         assert r["num_cached_tokens"] >= len(prompt) - 1
-    engine = c.ready["engine_id"]
-    pulled = metric(rig.d2, "kvsidecar_moved_bytes_total", kind="peer_recv", engine=engine)
     assert pulled == blocks_of(PD_TCP) * BLOCK_BYTES
 
 

@@ -74,12 +74,12 @@ def test_fingerprint_and_model_hash() -> None:
 
 def test_layouts_read_from_the_tensors() -> None:
     cpu = torch.zeros(4, 2, 32, 64)
-    assert detect_layout(cpu, cpu_packing_checked=True).name == "vllm_cpu"
-    assert detect_layout(cpu, cpu_packing_checked=False).name == "opaque"
-    assert detect_layout(torch.zeros(2, 4, 16, 2, 8), cpu_packing_checked=False).name == "kv_first"
-    assert detect_layout(torch.zeros(4, 2, 16, 2, 8), cpu_packing_checked=False).name == (
-        "blocks_first"
-    )
+    assert detect_layout(cpu, cpu_packing="vllm_cpu").name == "vllm_cpu"
+    amx = detect_layout(cpu, cpu_packing="vllm_cpu_amx")
+    assert (amx.arrangement, amx.name) == ("vllm_cpu_amx", "vllm_cpu_amx")
+    assert detect_layout(cpu, cpu_packing=None).name == "opaque"
+    assert detect_layout(torch.zeros(2, 4, 16, 2, 8), cpu_packing=None).name == "kv_first"
+    assert detect_layout(torch.zeros(4, 2, 16, 2, 8), cpu_packing=None).name == "blocks_first"
 
 
 # ------------------------------------------------------------------ the scheduler's plans
@@ -137,6 +137,17 @@ def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
     side.layout = "opaque"
     params["remote_block_size"] = 32
     assert side.lookup(Req("r", [], 100, dict(params)), 0) == (0, False)  # cannot re-block
+    # vLLM's vec and amx CPU kernels pack blocks differently: never pulled from one to the other,
+    # whatever the block sizes; the same packing on both sides is pulled.
+    side.layout = "vllm_cpu_amx"
+    for remote_layout, remote_bs in (("vllm_cpu", 64), ("vllm_cpu", 32), ("opaque", 64)):
+        mixed = {**params, "remote_layout": remote_layout, "remote_block_size": remote_bs}
+        assert side.lookup(Req("r", [], 100, mixed), 0) == (0, False), remote_layout
+    # The same packing and block size passes the layout checks (lookup itself needs a daemon to
+    # pull from); a re-blocking pull into amx blocks does not (vLLM's amx attention).
+    assert side._pull_problem(64, "vllm_cpu_amx") is None
+    assert "amx attention" in (side._pull_problem(32, "vllm_cpu_amx") or "")
+    assert "'vllm_cpu'" in (side._pull_problem(64, "vllm_cpu") or "")
 
 
 # ------------------------------------------------------------------ the worker half, a real daemon
@@ -159,7 +170,7 @@ def worker(
     caches = {f"layer{i}": storage[i * 65536 : (i + 1) * 65536].view(16, 2, 32, 64) for i in (0, 1)}
     for t in caches.values():
         t.copy_(torch.randn(t.shape))
-    side.register(caches, detect_layout(caches["layer0"], cpu_packing_checked=True))
+    side.register(caches, detect_layout(caches["layer0"], cpu_packing="vllm_cpu"))
     return side, caches
 
 

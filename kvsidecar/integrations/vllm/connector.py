@@ -32,12 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
 from kvsidecar.integrations.vllm.layout import detect_layout
 from kvsidecar.integrations.vllm.plan import StepPlan
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.integrations.vllm.worker import WorkerSide
+from kvsidecar.wire.types import Arrangement
 
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
@@ -117,17 +119,19 @@ def _facts(vllm_config: Any) -> CacheFacts:
     )
 
 
-def _cpu_packing_checked(vllm_config: Any, t: torch.Tensor) -> bool:
-    """Whether vLLM's CPU kernel writes blocks as the ``vllm_cpu`` layout says (K^T, then V).
+def _cpu_packing(vllm_config: Any, t: torch.Tensor) -> Arrangement | None:
+    """Return the arrangement whose packing vLLM's CPU kernel writes for this cache, or None.
 
-    Written with the kernel itself, on a scratch cache of two blocks, with values exact in the
-    cache's dtype, and compared element by element with the layout's definition.
+    Written with the kernel itself (the ISA vLLM picks for this dtype and block size), on a
+    scratch cache of two blocks, with values exact in the cache's dtype, and compared element by
+    element with each arrangement's definition (`_packed_by_definition`): ``vllm_cpu`` (the
+    ``vec`` kernels: K transposed, then V) or ``vllm_cpu_amx`` (the ``amx`` kernels' tiles).
     """
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
-        return False
+        return None
     _, heads, n, c2 = t.shape
     c = c2 // 2
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
@@ -141,12 +145,39 @@ def _cpu_packing_checked(vllm_config: Any, t: torch.Tensor) -> bool:
     ops.cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, torch.arange(tokens), isa, kv_cache_dtype=cache_dtype
     )
-    want = torch.zeros_like(kv)
-    for tok in range(tokens):
-        flat = want[tok // n].view(heads, n * c2)
-        flat[:, (tok % n) : c * n : n] = key[tok]  # K transposed: column tok % n
-        flat[:, n * c + (tok % n) * c : n * c + (tok % n + 1) * c] = value[tok]
-    return torch.equal(kv, want)
+    for arrangement in CPU_PACKED:
+        want = _packed_by_definition(arrangement, key, value, n)
+        if want is not None and torch.equal(kv, want):
+            return arrangement
+    log.info("kvsidecar: vLLM's %s kernel packs the CPU cache in no known way: opaque", isa)
+    return None
+
+
+def _packed_by_definition(
+    arrangement: Arrangement, key: torch.Tensor, value: torch.Tensor, n: int
+) -> torch.Tensor | None:
+    """Pack token-major K, V ``(T, H, C)`` into blocks ``(2, H, n, 2C)`` as ``arrangement`` says.
+
+    The definitions of `kvsidecar.wire.types.Arrangement`; None where they cannot hold ``n``
+    tokens of ``C`` channels (the amx tiles need multiples of 16).
+    """
+    tokens, heads, c = key.shape
+    tok = torch.arange(tokens).view(-1, 1)
+    ch = torch.arange(c).view(1, -1)
+    block, t = tok // n, tok % n
+    if arrangement == "vllm_cpu":
+        at_k, at_v = ch * n + t, n * c + t * c + ch  # K transposed: row d, column t
+    else:
+        if n % 16 or c % 16:
+            return None
+        at_k = ((t // 16) * (c // 2) + ch // 2) * 32 + (t % 16) * 2 + ch % 2
+        at_v = n * c + ((ch // 16) * (n // 2) + t // 2) * 32 + (ch % 16) * 2 + t % 2
+    want = torch.zeros(2, heads, n * 2 * c, dtype=key.dtype)
+    blocks = block.expand(tokens, c)
+    # Indexed (tokens, C, heads): the two index tensors broadcast first, the heads slice last.
+    want[blocks, :, at_k.expand(tokens, c)] = key.permute(0, 2, 1)
+    want[blocks, :, at_v.expand(tokens, c)] = value.permute(0, 2, 1)
+    return want.view(2, heads, n, 2 * c)
 
 
 class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -205,8 +236,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Register vLLM's cache with the daemon (its layout read from the tensors)."""
         assert self._worker is not None
         first = next(iter(kv_caches.values()))
-        checked = first.dim() == 4 and _cpu_packing_checked(self._vllm_config, first)
-        self._worker.register(kv_caches, detect_layout(first, cpu_packing_checked=checked))
+        packing = _cpu_packing(self._vllm_config, first) if first.dim() == 4 else None
+        self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
 
     def get_handshake_metadata(self) -> SidecarHandshake | None:
         """Tell the scheduler the workers' cache layout."""

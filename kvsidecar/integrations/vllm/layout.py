@@ -6,9 +6,11 @@ vLLM hands its workers plain tensors, one per layer. Their layout is read from t
 - 5 dims ``(2, B, N, H, C)``: FlashAttention's ``kv_first``; ``(B, 2, N, H, C)``: FlashInfer's
   ``blocks_first``; the memory order (NHD or HND) from the strides;
 - 3 dims: MLA;
-- 4 dims on the CPU (vLLM's ``LBHNC``, ``(B, H, N, 2C)``): ``vllm_cpu``, but only when the
-  packing inside a block is checked to be K transposed then V (`CacheLayout` is given the
-  verdict of the connector's check against vLLM's own kernel). Any other packing is *opaque*:
+- 4 dims on the CPU (vLLM's ``LBHNC``, ``(B, H, N, 2C)``): ``vllm_cpu`` when the packing inside
+  a block is checked to be K transposed then V (vLLM's ``vec`` kernels), ``vllm_cpu_amx`` when it
+  is checked to be the ``amx`` kernels' tiles (bfloat16, block sizes a multiple of 32, CPUs with
+  AMX); `detect_layout` is given the verdict of the connector's check against vLLM's own
+  kernel. Any other packing is *opaque*:
   registered as one dense region per block (``split``, HND, head size ``2C``), which moves whole
   blocks correctly but cannot be re-blocked, so the connector refuses block-size changes for it.
 """
@@ -19,7 +21,7 @@ import dataclasses
 
 import torch
 
-from kvsidecar.core.layout import ShapeOrder
+from kvsidecar.core.layout import CPU_PACKED, ShapeOrder
 from kvsidecar.wire.types import Arrangement, MemoryOrder
 
 
@@ -36,12 +38,16 @@ class CacheLayout:
     """None: read from the strides."""
     shape_order: ShapeOrder
     name: str
-    """What disaggregated prefill tells the other engine: ``vllm_cpu``, ``opaque``,
-    ``kv_first``, ``blocks_first`` or ``mla``."""
+    """What disaggregated prefill tells the other engine: ``vllm_cpu``, ``vllm_cpu_amx``,
+    ``opaque``, ``kv_first``, ``blocks_first`` or ``mla``."""
 
 
-def detect_layout(t: torch.Tensor, *, cpu_packing_checked: bool) -> CacheLayout:
-    """Describe one layer's tensor (every layer of an engine has the same layout)."""
+def detect_layout(t: torch.Tensor, *, cpu_packing: Arrangement | None) -> CacheLayout:
+    """Describe one layer's tensor (every layer of an engine has the same layout).
+
+    ``cpu_packing``: for a 4-dim CPU tensor, the arrangement whose packing vLLM's kernel was
+    checked to write (`CPU_PACKED`), or None when it matched neither.
+    """
     shape = tuple(t.shape)
     if t.dim() == 5 and shape[0] == 2:
         return CacheLayout("kv_first", None, "NH", "kv_first")
@@ -50,8 +56,8 @@ def detect_layout(t: torch.Tensor, *, cpu_packing_checked: bool) -> CacheLayout:
     if t.dim() == 3:
         return CacheLayout("mla", None, "NH", "mla")
     if t.dim() == 4 and t.device.type == "cpu" and shape[-1] % 2 == 0:
-        if cpu_packing_checked:
-            return CacheLayout("vllm_cpu", "HND", "NH", "vllm_cpu")
+        if cpu_packing in CPU_PACKED:
+            return CacheLayout(cpu_packing, "HND", "NH", cpu_packing)
         return CacheLayout("split", "HND", "HN", "opaque")
     raise LayoutUnknown(f"a KV cache tensor of shape {shape} on {t.device} is not a known layout")
 

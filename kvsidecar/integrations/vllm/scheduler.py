@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvsidecar.client import SidecarError
+from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
@@ -175,6 +176,18 @@ class SchedulerSide:
             return f"block size {self.block_size} is not a multiple of the producer's {remote_bs}"
         if remote_bs != self.block_size and "opaque" in (remote_layout, self.layout):
             return "block sizes differ and a cache layout is one the daemon cannot re-block"
+        packed = {remote_layout, self.layout} & set(CPU_PACKED)
+        if packed and remote_layout != self.layout:
+            # vLLM's vec and amx CPU kernels pack a block differently (the ISA follows the CPU,
+            # the dtype and the block size): the daemon would refuse the pull.
+            return f"the producer's cache is {remote_layout!r}, this engine's {self.layout!r}"
+        if remote_bs != self.block_size and self.layout == "vllm_cpu_amx":
+            # The daemon re-blocks amx-packed blocks correctly (tests/test_vllm_cpu_layout.py,
+            # against vLLM's own kernel), but vLLM 0.32's amx attention died (SIGILL in
+            # cpu_attention_with_kv_cache) on the first step after such a pull, into 64-token
+            # blocks, even when the re-blocking was skipped: the request computes instead
+            # (docs/vllm.md, "AMX").
+            return "vLLM's amx attention fails after a pull into blocks of another size"
         return None
 
     def after_alloc(
