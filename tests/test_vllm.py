@@ -12,11 +12,11 @@ The checks: a prefix computed by ``a`` is loaded by ``b`` (same tokens, ``num_ca
 covering it, the bytes in daemon 1's metrics), and a poisoned cache changes ``b``'s output (so the
 equalities mean something); a prefill on ``a`` decoded by ``b`` through daemon 1, and by ``c``
 through daemon 2 pulling from daemon 1 (32-token blocks into 64-token ones), the decode engine
-computing only the last prompt token (on a CPU with AMX that re-blocking pull is refused and
-``c`` computes: docs/vllm.md, "AMX"); daemon 2 killed under ``c`` (it keeps serving, correctly)
-and started again (``c`` registers again and stores again, without a restart); ``a`` killed with a
-published prefill nobody reads (daemon 1 releases both). And vLLM's own CPU kernels pack blocks as
-tests/support/vllm_layout.py's models say (``vllm_cpu``, ``vllm_cpu_amx``).
+computing only the last prompt token (on a CPU with AMX the connector refuses pulls and the
+decode engines compute: docs/vllm.md, "AMX"); daemon 2 killed under ``c`` (it keeps serving,
+correctly) and started again (``c`` registers again and stores again, without a restart); ``a``
+killed with a published prefill nobody reads (daemon 1 releases both). And vLLM's own CPU kernels
+pack blocks as tests/support/vllm_layout.py's models say (``vllm_cpu``, ``vllm_cpu_amx``).
 """
 
 from __future__ import annotations
@@ -323,17 +323,33 @@ def blocks_of(prompts: list[list[int]], block_size: int = 32) -> int:
     return sum(-(-len(p) // block_size) for p in prompts)
 
 
+def computed_instead(
+    out: list[dict[str, Any]], prompts: list[list[int]], baseline: dict[Any, list[int]]
+) -> None:
+    """Check a decode engine that computed every prompt itself, its tokens the reference's.
+
+    On a CPU with AMX the connector refuses pulls (docs/vllm.md, "AMX").
+    """
+    for prompt, r in zip(prompts, out, strict=True):
+        assert r["tokens"] == baseline[tuple(prompt)]
+        assert r["num_cached_tokens"] == 0
+
+
 def test_a_prefill_decoded_on_the_same_daemon(
-    rig: Rig, baseline: dict[tuple[int, ...], list[int]]
+    rig: Rig, baseline: dict[tuple[int, ...], list[int]], arrangement: Arrangement
 ) -> None:
     a, b = rig.engines["a"], rig.engines["b"]
     params = prefills(a, PD_LOCAL, baseline)
     assert {p["remote_daemon_id"] for p in params} == {b.ready["daemon_id"]}
     out = b.generate(PD_LOCAL, params=params)
+    moved = metric(rig.d1, "kvsidecar_moved_bytes_total", kind="local", engine=b.ready["engine_id"])
+    if arrangement == "vllm_cpu_amx":
+        computed_instead(out, PD_LOCAL, baseline)
+        assert moved == 0
+        return
     for prompt, r in zip(PD_LOCAL, out, strict=True):
         assert r["tokens"] == baseline[tuple(prompt)]
         assert r["num_cached_tokens"] >= len(prompt) - 1  # b computed the last prompt token only
-    moved = metric(rig.d1, "kvsidecar_moved_bytes_total", kind="local", engine=b.ready["engine_id"])
     assert moved == blocks_of(PD_LOCAL) * BLOCK_BYTES  # every block of the prefill, copied once
 
 
@@ -349,12 +365,8 @@ def test_a_prefill_decoded_through_two_daemons_from_32_to_64_token_blocks(
     engine = c.ready["engine_id"]
     pulled = metric(rig.d2, "kvsidecar_moved_bytes_total", kind="peer_recv", engine=engine)
     if arrangement == "vllm_cpu_amx":
-        # On CPUs with AMX, vLLM's amx attention died on the first step after such a pull (the
-        # daemon's re-blocking is checked in tests/test_vllm_cpu_layout.py): the connector
-        # refuses it, and c computes the prompts itself, correctly (docs/vllm.md, "AMX").
-        for prompt, r in zip(PD_TCP, out, strict=True):
-            assert r["tokens"] == baseline[tuple(prompt)]
-            assert r["num_cached_tokens"] == 0
+        # The daemon's re-blocking of amx blocks is checked in tests/test_vllm_cpu_layout.py.
+        computed_instead(out, PD_TCP, baseline)
         assert pulled == 0
         return
     for prompt, r in zip(PD_TCP, out, strict=True):

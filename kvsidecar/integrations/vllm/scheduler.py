@@ -181,13 +181,13 @@ class SchedulerSide:
             # vLLM's vec and amx CPU kernels pack a block differently (the ISA follows the CPU,
             # the dtype and the block size): the daemon would refuse the pull.
             return f"the producer's cache is {remote_layout!r}, this engine's {self.layout!r}"
-        if remote_bs != self.block_size and self.layout == "vllm_cpu_amx":
-            # The daemon re-blocks amx-packed blocks correctly (tests/test_vllm_cpu_layout.py,
-            # against vLLM's own kernel), but vLLM 0.32's amx attention died (SIGILL in
-            # cpu_attention_with_kv_cache) on the first step after such a pull, into 64-token
-            # blocks, even when the re-blocking was skipped: the request computes instead
-            # (docs/vllm.md, "AMX").
-            return "vLLM's amx attention fails after a pull into blocks of another size"
+        if self.layout == "vllm_cpu_amx":
+            # The daemon moves and re-blocks amx-packed blocks correctly (tests/
+            # test_vllm_cpu_layout.py, against vLLM's own kernel), but vLLM 0.32's decode engine
+            # died (SIGILL in cpu_attention_with_kv_cache) on its first step after pulls through
+            # two daemons, re-blocked or not, of equal block sizes too: the request computes
+            # instead (docs/vllm.md, "AMX").
+            return "vLLM's amx attention died after pulls in this project's tests"
         return None
 
     def after_alloc(
