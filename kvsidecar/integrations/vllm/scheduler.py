@@ -184,9 +184,9 @@ class SchedulerSide:
         if self.layout == "vllm_cpu_amx":
             # The daemon moves and re-blocks amx-packed blocks correctly (tests/
             # test_vllm_cpu_layout.py, against vLLM's own kernel), but vLLM 0.32's decode engine
-            # died (SIGILL in cpu_attention_with_kv_cache) on its first step after pulls through
-            # two daemons, re-blocked or not, of equal block sizes too: the request computes
-            # instead (docs/vllm.md, "AMX").
+            # died (SIGILL in cpu_attention_with_kv_cache) on its first step after any pull that
+            # completed a while after the request began waiting for it (through two daemons,
+            # or a delayed local one; re-blocked or not): it computes instead (docs/vllm.md, "AMX").
             return "vLLM's amx attention died after pulls in this project's tests"
         return None
 
