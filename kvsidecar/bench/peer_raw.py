@@ -106,7 +106,6 @@ def nixl_target(nbytes: int) -> None:
 
     buf = torch.ones(nbytes, dtype=torch.uint8)
     agent = new_agent("raw-target", nixl_agent_config(backends=["UCX"]))  # as the daemons'
-
     agent.register_memory(buf)
     print("META", bytes(agent.get_agent_metadata()).hex(), buf.data_ptr(), flush=True)
     sys.stdin.read()

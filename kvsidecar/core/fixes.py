@@ -18,6 +18,7 @@ import numpy.typing as npt
 import torch
 
 from kvsidecar.core.layout import (
+    CPU_PACKED,
     LayoutError,
     ShapeOrder,
     check_arrangement,
@@ -69,8 +70,7 @@ def fix_received(
     ``arrangement`` defaults by rank: 3 dims MLA, 4 ``split`` (also one half of a kv_first
     tensor), 5 ``blocks_first``; pass ``"kv_first"`` for a ``(2, B, N, H, C)`` tensor and
     ``"vllm_cpu"`` (or ``"vllm_cpu_amx"``) for vLLM's CPU cache ``(B, H, N, 2C)`` (memory orders
-    do not apply to it: only a block-size ratio needs a fix, see `_fix_vllm_cpu` and
-    `_fix_vllm_cpu_amx`).
+    do not apply to it: only a block-size ratio needs a fix, see `_fix_cpu_packed`).
     ``shape_order="HN"`` accepts vLLM 0.33's contiguous ``(B, H, N, C)`` HND tensor. Works on the
     raw bytes (an integer view), so float8 and bfloat16 caches fix like any other. The listed
     blocks are gathered once and scattered back once, the remap folded into the scatter; on CPU,
@@ -83,11 +83,8 @@ def fix_received(
     arrangement = _checked_arrangement(
         cache, arrangement, (remote_layout, local_layout), shape_order, block_size_ratio
     )
-    if arrangement == "vllm_cpu":
-        _fix_vllm_cpu(cache, block_ids, block_size_ratio)
-        return
-    if arrangement == "vllm_cpu_amx":
-        _fix_vllm_cpu_amx(cache, block_ids, block_size_ratio)
+    if arrangement in CPU_PACKED:
+        _fix_cpu_packed(cache, block_ids, block_size_ratio, arrangement)
         return
     regions = _regions(cache, arrangement, local_layout, shape_order)
     if local_layout == "HND" and arrangement != "mla":
@@ -246,82 +243,59 @@ def _cache_as_remote(
     return raw.view(num_blocks, nregions, ratio, remote_n, num_heads, -1)
 
 
-def _cpu_packed_blocks(
-    cache: torch.Tensor, block_ids: BlockIds, ratio: int, what: str
-) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    """Check a ``(B, H, N, 2C)`` cache, its block ids and a ratio (`LayoutError` if wrong).
+def _fix_cpu_packed(
+    cache: torch.Tensor, block_ids: BlockIds, ratio: int, arrangement: Arrangement
+) -> None:
+    """Turn ``ratio`` packed remote blocks into one block of vLLM's CPU cache, in place.
 
-    Returns the cache as integers of its element size, the block index, ``C`` and the remote
-    block size ``n = N / ratio``; None when there is nothing to do (ratio 1, or no block).
+    ``cache`` is ``(B, H, N, 2C)``; per block and head K then V, as ``arrangement`` packs them. A
+    raw copy of ``ratio`` remote blocks of ``n = N / ratio`` tokens leaves each local block as
+    ``ratio`` whole remote blocks in a row, ``(ratio, H, [K | V])``. Ratio 1 needs nothing (the
+    layouts are equal).
+
+    - ``vllm_cpu`` (vec kernels): K transposed ``(C, N)``, V ``(N, C)``. Afterwards head ``h``
+      holds K whose columns ``j*n .. j*n + n - 1`` are remote block ``j``'s, and V likewise by
+      rows.
+    - ``vllm_cpu_amx`` (amx kernels): K as ``N/16`` tiles of 16 tokens, each ``(C/2, 16, 2)``,
+      then V as ``C/16`` groups of 16 channels, each ``(N/2, 16, 2)`` (token pairs). Remote
+      block ``j``'s K tiles are the local block's tiles ``j * n/16 ..``: K only moves as a whole;
+      V's group ``g`` of the local block is every remote block's group ``g`` in a row.
+
+    Both are held element by element to a model of the packings (tests/test_vllm_cpu_layout.py),
+    itself checked against vLLM's own kernels (tests/test_vllm.py).
     """
     if not dense_from(cache, 1) or cache.shape[-1] % 2:
-        raise LayoutError(f"{what} cache {layout_hint(cache, 'dense (B, H, N, 2C)', 'HN')}")
-    num_blocks, _, block_size, two_c = cache.shape
+        raise LayoutError(f"{arrangement} cache {layout_hint(cache, 'dense (B, H, N, 2C)', 'HN')}")
+    num_blocks, heads, block_size, two_c = cache.shape
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1 or block_size % ratio:
         raise LayoutError(
             f"block_size_ratio {ratio} must be >= 1 and divide the local block size {block_size}"
         )
     index = _block_index(block_ids, num_blocks, cache.device)
     if ratio == 1 or index.numel() == 0:
-        return None
-    raw = cache.view(_INT_OF_SIZE[cache.element_size()])
-    return raw, index, two_c // 2, block_size // ratio
-
-
-def _fix_vllm_cpu_amx(cache: torch.Tensor, block_ids: BlockIds, ratio: int) -> None:
-    """Turn ``ratio`` packed remote blocks into one block of vLLM's AMX-packed CPU cache, in place.
-
-    Per block and head the amx kernels store K as ``N/16`` tiles of 16 tokens, each ``(C/2, 16,
-    2)``, then V as ``C/16`` groups of 16 channels, each ``(N/2, 16, 2)`` (token pairs). A raw
-    copy of ``ratio`` remote blocks of ``n`` tokens leaves ``(ratio, H, [K | V])``. K's tiles of
-    remote block ``j`` are the local block's tiles ``j * n/16 ..``: K only moves as a whole. V's
-    group ``g`` of the local block is every remote block's group ``g`` in a row. Ratio 1 needs
-    nothing. Checked element by element against vLLM's own kernel in tests/test_vllm_cpu_layout.py.
-    """
-    got = _cpu_packed_blocks(cache, block_ids, ratio, "vllm_cpu_amx")
-    if got is None:
         return
-    raw, index, c, n = got
-    heads, block_size = cache.shape[1], cache.shape[2]
-    if n % 16 or c % 16:
+    c, n = two_c // 2, block_size // ratio
+    if arrangement == "vllm_cpu_amx" and (n % 16 or c % 16):
         raise LayoutError(
             f"vllm_cpu_amx: remote block size {n} and head size {c} must be multiples of 16"
         )
+    raw = cache.view(_INT_OF_SIZE[cache.element_size()])
     packed = raw.index_select(0, index)  # (k, H, N, 2C) holding (k, ratio, H, 2, n*C)
     k = packed.shape[0]
     src = packed.view(k, ratio, heads, 2, n * c)
     out = torch.empty_like(packed).view(k, heads, 2, block_size * c)
-    # K: local (ratio, n*C) per head <- remote j's whole K
-    out[:, :, 0].view(k, heads, ratio, n * c).copy_(src[:, :, :, 0].permute(0, 2, 1, 3))
-    # V: local (C/16, ratio, 16n) per head <- remote j's (C/16, 16n)
-    out[:, :, 1].view(k, heads, c // 16, ratio, 16 * n).copy_(
-        src[:, :, :, 1].reshape(k, ratio, heads, c // 16, 16 * n).permute(0, 2, 3, 1, 4)
-    )
-    raw.index_copy_(0, index, out.view_as(packed))
-
-
-def _fix_vllm_cpu(cache: torch.Tensor, block_ids: BlockIds, ratio: int) -> None:
-    """Turn ``ratio`` packed remote blocks into one block of vLLM's CPU cache, in place.
-
-    ``cache`` is ``(B, H, N, 2C)``: per block and head, K transposed ``(C, N)`` then V ``(N, C)``.
-    A raw copy of ``ratio`` remote blocks of ``n = N / ratio`` tokens leaves each local block as
-    ``ratio`` whole remote blocks in a row, ``(ratio, H, [K (C, n) | V (n, C)])``. Afterwards
-    head ``h`` holds K ``(C, N)`` whose columns ``j*n .. j*n + n - 1`` are remote block ``j``'s,
-    and V ``(N, C)`` likewise by rows. Ratio 1 needs nothing (the layouts are equal).
-    """
-    got = _cpu_packed_blocks(cache, block_ids, ratio, "vllm_cpu")
-    if got is None:
-        return
-    raw, index, c, n = got
-    heads, block_size = cache.shape[1], cache.shape[2]
-    packed = raw.index_select(0, index)  # (k, H, N, 2C) holding (k, ratio, H, 2, n*C)
-    k = packed.shape[0]
-    src = packed.view(k, ratio, heads, 2, n * c)
-    out = torch.empty_like(packed).view(k, heads, 2, block_size * c)
-    # K: local (C, ratio, n) per head <- remote j's (C, n)
-    out[:, :, 0].view(k, heads, c, ratio, n).copy_(
-        src[:, :, :, 0].reshape(k, ratio, heads, c, n).permute(0, 2, 3, 1, 4)
-    )
-    # V: local (ratio, n, C) per head <- remote j's (n, C)
-    out[:, :, 1].view(k, heads, ratio, n * c).copy_(src[:, :, :, 1].permute(0, 2, 1, 3))
+    if arrangement == "vllm_cpu_amx":
+        # K: local (ratio, n*C) per head <- remote j's whole K
+        out[:, :, 0].view(k, heads, ratio, n * c).copy_(src[:, :, :, 0].permute(0, 2, 1, 3))
+        # V: local (C/16, ratio, 16n) per head <- remote j's (C/16, 16n)
+        out[:, :, 1].view(k, heads, c // 16, ratio, 16 * n).copy_(
+            src[:, :, :, 1].reshape(k, ratio, heads, c // 16, 16 * n).permute(0, 2, 3, 1, 4)
+        )
+    else:
+        # K: local (C, ratio, n) per head <- remote j's (C, n)
+        out[:, :, 0].view(k, heads, c, ratio, n).copy_(
+            src[:, :, :, 0].reshape(k, ratio, heads, c, n).permute(0, 2, 3, 1, 4)
+        )
+        # V: local (ratio, n, C) per head <- remote j's (n, C)
+        out[:, :, 1].view(k, heads, ratio, n * c).copy_(src[:, :, :, 1].permute(0, 2, 1, 3))
     raw.index_copy_(0, index, out.view_as(packed))
