@@ -40,18 +40,18 @@ from kvsidecar.wire.protocol import Moved, Reply, Status, StatusReply
 class _AfterBookkeeping:
     """A `ReplySink` that answers from the loop, with the reply ``make`` builds from `Moved`.
 
-    The copy thread's early answer is declined (`send` from a thread does nothing), so
-    `Commands._run_job` settles the job on the loop, runs its ``track`` (the index update), then
-    `deliver` s; errors go through unchanged.
+    An early answer (from the copy thread, or from the loop before the bookkeeping) is
+    declined, so `Commands._run_job` settles the job on the loop, runs its ``track`` (the index
+    update), then `deliver` s; errors go through unchanged.
     """
 
     def __init__(self, respond: ReplySink, make: Callable[[Moved], Reply]) -> None:
         self._respond = respond
         self._make = make
 
-    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
-        """Decline answers from the copy thread; on the loop, answer (see the class doc)."""
-        if from_thread:
+    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
+        """Decline early answers; after the bookkeeping, answer (see the class doc)."""
+        if early or from_thread:
             return False
         self.deliver(reply)
         return True

@@ -261,7 +261,7 @@ class Commands:
                 reply = success(nbytes)
             except SidecarError:  # a worker left meanwhile: the loop answers worker_lost
                 return
-            respond.send(reply, from_thread=True)
+            respond.send(reply, from_thread=True, early=True)
 
         def finish(pending: asyncio.Future[int]) -> None:
             self._jobs.pop(pending, None)
@@ -297,10 +297,12 @@ class Commands:
     ) -> asyncio.Future[Reply]:
         """Run a short job on the loop, do its bookkeeping, then answer it; returns its outcome.
 
-        The bookkeeping (counts, ``track``: metrics and completions) comes first, as on the
-        executor's path, so that the reply is built from it where it needs it (a cache store's)
-        and nothing is left to do once the reply is out. No worker can be released and no other
-        job can start while this runs, so there is neither admission nor a worker check to do.
+        A success is answered at once, as a copy thread answers it (`_submit`), and the
+        bookkeeping (counts, ``track``: metrics and completions) follows while the reply
+        travels, still before the loop reads any later request. A sink whose reply is built
+        from the bookkeeping (a cache command's) declines the early answer and is answered
+        after it; so is a failure. No worker can be released and no other job can start while
+        this runs, so there is neither admission nor a worker check to do.
         """
         started = time.perf_counter()
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -312,8 +314,10 @@ class Commands:
             )
         except Exception as exc:  # as from a copy thread: handed on to the reply
             result = exc
+        sent = not isinstance(result, BaseException) and respond.send(result, early=True)
         self._conclude(outcome, request_id, result, move=move, track=track)
-        respond.send(reply_of(outcome, request_id))
+        if not sent:
+            respond.send(reply_of(outcome, request_id))
         return outcome
 
     def _conclude(
@@ -439,10 +443,11 @@ class ReplySink(Protocol):
     decide the reply afterwards, knowing that no copy thread can answer in between.
     """
 
-    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
         """Send ``reply`` unless the reply is claimed already; True if this call sent it.
 
-        ``from_thread``: called on a copy thread rather than on the event loop.
+        ``from_thread``: called on a copy thread rather than on the event loop. ``early``: a
+        success sent before the loop's bookkeeping of its job, which a sink may decline.
         """
         ...
 

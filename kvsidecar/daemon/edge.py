@@ -120,8 +120,11 @@ class ReplyTo:
         self._claimed = False
         self._sent: Reply | None = None
 
-    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
-        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
+    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it.
+
+        ``early`` is welcome: nothing in a request's reply waits for the loop's bookkeeping.
+        """
         with self._lock:
             if self._claimed:
                 return False
@@ -256,8 +259,6 @@ class Edge:
             header, data, large = msgspec.msgpack.encode(reply), (), False
         if isinstance(reply, Error):
             self.errors_total += 1
-        if command:  # metrics: every answered command, by type and result, with its latency
-            self.observability.command(command, reply, started)
         with self._sock_lock:
             sock = self._sock
             trackers: list[zmq.MessageTracker] = []
@@ -275,6 +276,8 @@ class Edge:
                 trackers, large, pending = [], False, False
         if large:
             self.reply_budget.track(trackers, size)
+        if command:  # metrics, once the reply is out: every answered command, with its latency
+            self.observability.command(command, reply, started)
         if pending:
             self._schedule_read(from_thread=from_thread)
         elif not from_thread:
