@@ -65,7 +65,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "--peer-data-plane",
         choices=("zmq", "nixl", "auto"),
         default=None,
-        help="the local daemons' setting [zmq: a NIXL agent's progress thread spins a core]",
+        help="the daemons' setting in local, latency and scaling [auto]",
     )
     p.add_argument("--quick", action="store_true", help="small sizes: each kind in under 60 s")
     p.add_argument(
