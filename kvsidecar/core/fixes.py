@@ -29,9 +29,9 @@ from kvsidecar.core.layout import (
     layout_hint,
     to_memory_order,
 )
-from kvsidecar.wire.types import Arrangement, MemoryOrder
+from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
-__all__ = ["BlockIds", "fix_received"]
+__all__ = ["BlockIds", "fix_received", "needs_fix"]
 
 BlockIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 """Block ids as the engine has them: a list, a numpy integer array or an integer tensor."""
@@ -42,6 +42,21 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PER_BLOCK_MIN_BYTES = 8 * 1024
 # The arrangement a cache of this many dims has when the caller does not say.
 _ARRANGEMENT_OF_RANK: dict[int, Arrangement] = {3: "mla", 4: "split", 5: "blocks_first"}
+
+
+def needs_fix(remote_order: MemoryOrder, local: BufferDescriptor, ratio: int) -> bool:
+    """Whether raw blocks from ``remote_order`` need `fix_received` to read as ``local``'s.
+
+    ``ratio``: how many of the remote's blocks make one of ``local``'s. The one rule for local
+    moves (`kvsidecar.daemon.jobs`) and node-to-node pulls (`kvsidecar.peer.plan`); both sides
+    are known by then to agree on arrangement and heads.
+    """
+    if local.arrangement in CPU_PACKED:
+        return ratio > 1  # K or V packed across tokens: packed blocks never read as one block
+    if local.arrangement == "mla" or local.num_heads == 1:
+        return False  # one head: token order is the only order, concatenation is already right
+    # NHD blocks laid end to end are one bigger NHD block; HND ones are not.
+    return remote_order != local.memory_order or (ratio > 1 and local.memory_order == "HND")
 
 
 def fix_received(

@@ -22,8 +22,7 @@ import numpy.typing as npt
 import torch
 
 from kvsidecar.core import copier, integrity, mover
-from kvsidecar.core.fixes import fix_received
-from kvsidecar.core.layout import CPU_PACKED
+from kvsidecar.core.fixes import fix_received, needs_fix
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.memory import cuda_ipc, cuda_sync
 from kvsidecar.memory.base import HandleError
@@ -135,14 +134,6 @@ def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
     return dst.block_size // src.block_size
 
 
-def _needs_fix(src: BufferDescriptor, dst: BufferDescriptor, ratio: int) -> bool:
-    if src.arrangement in CPU_PACKED:
-        return ratio > 1  # K or V packed across tokens: packed blocks never read as one block
-    if src.arrangement == "mla" or src.num_heads == 1:
-        return False  # one head: token order is the only order, concatenation is already right
-    return src.memory_order != dst.memory_order or (ratio > 1 and dst.memory_order == "HND")
-
-
 def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
     """Return the layer's block rows split into ``ratio`` sub-rows each (a view; see module doc)."""
     if ratio == 1:
@@ -217,7 +208,7 @@ def _pair_plan(
         fixes=[
             (dst.layers[n], src.layers[n].descriptor.memory_order)
             for n in names
-            if _needs_fix(src.layers[n].descriptor, dst.layers[n].descriptor, ratio)
+            if needs_fix(src.layers[n].descriptor.memory_order, dst.layers[n].descriptor, ratio)
         ],
         cpu_groups=groups,
         block_bytes=0 if groups is None else copier.group_row_bytes(groups),

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.core import layout
+from kvsidecar.core.fixes import needs_fix
 from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.core.topology import EngineTransferInfo, TopologyError, TransferTopology
 from kvsidecar.peer.messages import PeerEngine, PeerWorker
@@ -104,15 +105,6 @@ class RankPlan:
     def nbytes(self) -> int:
         """Bytes all reads move."""
         return sum(r.nbytes for r in self.reads)
-
-
-def _needs_fix(remote: BufferDescriptor, local: BufferDescriptor, ratio: int) -> bool:
-    if local.arrangement in CPU_PACKED:
-        return ratio > 1  # K or V packed across tokens: packed blocks never read as one block
-    if local.arrangement == "mla" or local.num_heads == 1:
-        return False  # one head: token order is the only order, concatenation is already right
-    same = remote.memory_order == local.memory_order
-    return not ((same and local.memory_order == "NHD") or (same and ratio == 1))
 
 
 def _coalesce(ro: I64, lo: I64, length: int, max_frame: int) -> tuple[I64, I64, I64]:
@@ -455,7 +447,7 @@ def plan_rank(
             entry = reads.setdefault((source[0], pp), _Reads())
             for region in runs[key]:
                 entry.add(name, li, region)
-        if rdesc is not None and _needs_fix(rdesc, ldesc, bs):
+        if rdesc is not None and needs_fix(rdesc.memory_order, ldesc, bs):
             fixes.append((name, rdesc.memory_order))
     return RankPlan(
         reads=[reads[key].plan(*key, worker.layers) for key in sorted(reads)],
