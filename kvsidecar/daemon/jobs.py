@@ -10,6 +10,9 @@ source's, the destination's per-block byte rows are viewed as ``r`` consecutive 
 destination block ``d`` is written as sub-blocks ``d*r .. d*r + r - 1`` from ``r`` source blocks.
 That is a plain block copy at source granularity, after which `fix_received` turns the
 packed remote blocks into the local block (the reference's ``kv_postprocess_blksize_*``).
+A ``blocks_first`` row holds a block's K region, then its V region: re-blocked, each row is
+first split into those two halves (`_PairPlan.parts`), so that the ``r`` source blocks' K land
+in the destination's K region and their V in its V region, as a node-to-node pull lays them.
 """
 
 from __future__ import annotations
@@ -134,11 +137,29 @@ def _ratio(src: BufferDescriptor, dst: BufferDescriptor, name: str) -> int:
     return dst.block_size // src.block_size
 
 
-def _sub_views(layer: LayerBuffer, ratio: int) -> list[torch.Tensor]:
-    """Return the layer's block rows split into ``ratio`` sub-rows each (a view; see module doc)."""
-    if ratio == 1:
+def _split_rows(layer: LayerBuffer, parts: int) -> list[torch.Tensor]:
+    """Return the layer's block rows split into ``parts`` sub-rows each (a view; see module doc)."""
+    if parts == 1:
         return layer.block_views
-    return [v.view(v.shape[0] * ratio, v.shape[1] // ratio) for v in layer.block_views]
+    return [v.view(v.shape[0] * parts, v.shape[1] // parts) for v in layer.block_views]
+
+
+def _row_ids(
+    src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64], ratio: int, parts: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Rows of the pair's views that a move's blocks copy between (source row i -> dest row i).
+
+    Source block ``src_idx[p]`` goes into sub-block ``p % ratio`` of destination block
+    ``dst_idx[p // ratio]``; with ``parts`` 2 (`_PairPlan.parts`), each of its K and V halves
+    into that sub-block of the destination's K and V halves.
+    """
+    if ratio == 1 and parts == 1:
+        return src_idx, dst_idx
+    part = np.arange(parts, dtype=np.int64)
+    sub = np.arange(src_idx.size, dtype=np.int64) % ratio
+    src_rows = src_idx[:, None] * parts + part
+    dst_rows = (np.repeat(dst_idx, ratio)[:, None] * parts + part) * ratio + sub[:, None]
+    return src_rows.reshape(-1), dst_rows.reshape(-1)
 
 
 def fix_layers(
@@ -171,6 +192,9 @@ class _PairPlan:
 
     names: list[str]
     ratio: int
+    parts: int
+    """Sub-rows each view row is split into before the ratio's: 2 for a re-blocked
+    ``blocks_first`` pair (K, then V, in one row), else 1 (module doc)."""
     fixes: list[tuple[LayerBuffer, MemoryOrder]]
     cpu_groups: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] | None
     """`copier.cpu_groups` of the two sides (ratio 1, CPU only): every unverified CPU move
@@ -199,12 +223,15 @@ def _pair_plan(
     if len(ratios) != 1:
         raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
     ratio = ratios.pop()
-    src_views = [v for n in names for v in src.layers[n].block_views]
-    dst_views = [v for n in names for v in _sub_views(dst.layers[n], ratio)]
+    arrangement = src.layers[names[0]].descriptor.arrangement  # one for all (`_ratio`)
+    parts = 2 if ratio > 1 and arrangement == "blocks_first" else 1
+    src_views = [v for n in names for v in _split_rows(src.layers[n], parts)]
+    dst_views = [v for n in names for v in _split_rows(dst.layers[n], parts * ratio)]
     groups = copier.cpu_groups(src_views, dst_views) if ratio == 1 else None
     plan = _PairPlan(
         names=names,
         ratio=ratio,
+        parts=parts,
         fixes=[
             (dst.layers[n], src.layers[n].descriptor.memory_order)
             for n in names
@@ -277,15 +304,11 @@ def move_job(
             return copier.copy_small(groups, runs)
 
     else:
-        src_idx = src_ids.astype(np.int64)
-        dst_idx = dst_ids.astype(np.int64)
-        sub_dst = (
-            dst_idx
-            if ratio == 1
-            else (dst_idx[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+        src_rows, dst_rows = _row_ids(
+            src_ids.astype(np.int64), dst_ids.astype(np.int64), ratio, pair.parts
         )
         src_views, dst_views = pair.src_views, pair.dst_views
-        plan = mover.plan_runs(src_idx, sub_dst)
+        plan = mover.plan_runs(src_rows, dst_rows)
         prepared = groups  # the CPU views, stacked once for this pair
 
         def copy() -> int:
@@ -296,10 +319,10 @@ def move_job(
             return integrity.verified_copy(
                 lambda: int(copier.copy_runs(src_views, dst_views, plan)),
                 src_views=src_views,
-                src_ids=src_idx,
+                src_ids=src_rows,
                 dst_views=dst_views,
-                dst_ids=sub_dst,
-                ratio=ratio,
+                dst_ids=dst_rows,
+                ratio=pair.parts * ratio,  # destination rows per destination block
                 result=verification,
             )
 
