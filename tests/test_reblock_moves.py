@@ -1,12 +1,13 @@
-"""Moves and local pulls between caches of different block sizes, for every dense arrangement.
+"""Moves and pulls between caches of different block sizes, for every dense arrangement.
 
-One daemon process, engines registered from this process over real shared memory. A source
+Daemon processes, engines registered from this process over real shared memory. A source
 engine with 4-token blocks is moved (``move``, and ``move_batch`` with checksums) and pulled
 (a local pull through the same daemon) into engines with 4-, 8- and 16-token blocks, in every
-memory-order pair. Each destination block is compared, element by element, with the source
-blocks laid end to end along the token dim of the logical tensors: plain indexing here, none
-of kvsidecar's layout code. ``blocks_first`` holds K and V in one row per block; re-blocked
-moves once wrote the source's K and V both into the destination's K half (the pull was right).
+memory-order pair; and pulled from another daemon over each data plane, across TP sizes.
+Each destination block is compared, element by element, with the source blocks laid end to
+end along the token dim of the logical tensors: plain indexing here, none of kvsidecar's
+layout code. ``blocks_first`` holds K and V in one row per block; re-blocked moves once wrote
+the source's K and V both into the destination's K half (the pulls were right).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from kvsidecar.client import BatchMove, BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from kvsidecar.peer.nixl_plane import nixl_available
+from tests.support.daemons import DaemonProcess, daemon_process, make_config, peer_daemon
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,12 +37,12 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
-def _memory_shape(arrangement: str, tokens: int, order: str) -> list[int]:
+def _memory_shape(arrangement: str, tokens: int, order: str, heads: int) -> list[int]:
     """The tensor as allocated: the logical shape with N and H swapped for HND."""
     if arrangement == "mla":
         return [BLOCKS, tokens, HEAD_SIZE]
     shape = {"kv_first": [2, BLOCKS], "blocks_first": [BLOCKS, 2]}.get(arrangement, [BLOCKS])
-    shape += [HEADS, tokens, HEAD_SIZE] if order == "HND" else [tokens, HEADS, HEAD_SIZE]
+    shape += [heads, tokens, HEAD_SIZE] if order == "HND" else [tokens, heads, HEAD_SIZE]
     return shape
 
 
@@ -59,32 +61,52 @@ def _block(logical: torch.Tensor, arrangement: str, b: int) -> torch.Tensor:
 
 
 class _Engine:
-    """A registered engine: its client, its one layer and how to read that layer's blocks."""
+    """A registered engine of ``tp`` workers (a client each), each with one layer."""
 
     def __init__(
-        self, endpoint: str, arrangement: str, tokens: int, order: str, dtype: torch.dtype
+        self,
+        endpoint: str,
+        arrangement: str,
+        tokens: int,
+        order: str,
+        dtype: torch.dtype,
+        tp: int = 1,
     ) -> None:
         index = next(_counter)
         self.name = f"e{index}"
         self.arrangement, self.order = arrangement, order
-        self.cache = allocate_kv_caches(1, _memory_shape(arrangement, tokens, order), dtype)[0]
+        heads = HEADS // tp if arrangement != "mla" else 1
+        shape = _memory_shape(arrangement, tokens, order, heads)
+        self.caches = allocate_kv_caches(tp, shape, dtype)
         gen = torch.Generator().manual_seed(index)  # every engine's values differ
-        self.cache.copy_(torch.randn(self.cache.shape, generator=gen).to(dtype))
-        self.client = SidecarClient(endpoint, name=self.name)
-        self.client.register_kv_caches(
-            {"layer0": self.cache},
-            engine_id=self.name,
-            arrangement=arrangement,  # type: ignore[arg-type]
-            memory_order=order,  # type: ignore[arg-type]
-            shape_order="HN" if order == "HND" and arrangement != "mla" else "NH",
-        )
+        self.clients = []
+        for rank, cache in enumerate(self.caches):
+            cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
+            client = SidecarClient(endpoint, name=f"{self.name}.{rank}")
+            self.clients.append(client)
+            client.register_kv_caches(
+                {"layer0": cache},
+                engine_id=self.name,
+                tp_rank=rank,
+                tp_size=tp,
+                arrangement=arrangement,  # type: ignore[arg-type]
+                memory_order=order,  # type: ignore[arg-type]
+                shape_order="HN" if order == "HND" and arrangement != "mla" else "NH",
+            )
+        self.client = self.clients[0]
         self.ref = BufferSetRef(WorkerRef(self.name))
 
     def block(self, b: int) -> torch.Tensor:
-        return _block(_logical(self.cache, self.arrangement, self.order), self.arrangement, b)
+        """Block ``b`` of the whole engine: its ranks' heads side by side."""
+        parts = [
+            _block(_logical(c, self.arrangement, self.order), self.arrangement, b)
+            for c in self.caches
+        ]
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -136,3 +158,66 @@ def test_reblocked_moves_and_pulls_lay_tokens_end_to_end(
     finally:
         for engine in engines:
             engine.close()
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    plane = "auto" if nixl_available() else "zmq"
+    with (
+        peer_daemon(peer_data_plane=plane) as producer,
+        peer_daemon(peer_data_plane=plane, peer_endpoint="") as consumer,
+    ):
+        yield producer, consumer
+
+
+PLANES = [
+    "zmq",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no nixl")),
+]
+# (arrangement, producer order, consumer order, producer TP, consumer TP, block-size ratio);
+# heterogeneous TP needs an HND producer (NHD ones are refused, tests/test_plan.py).
+REMOTE = [
+    (arr, *case)
+    for arr in ("blocks_first", "split")
+    for case in (
+        ("NHD", "NHD", 1, 1, 2),
+        ("NHD", "HND", 1, 1, 4),
+        ("HND", "NHD", 2, 1, 2),
+        ("HND", "HND", 1, 2, 2),
+    )
+]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize(("arrangement", "p_order", "c_order", "p_tp", "c_tp", "ratio"), REMOTE)
+def test_remote_pulls_lay_tokens_end_to_end(
+    peers: tuple[DaemonProcess, DaemonProcess],
+    plane: str,
+    arrangement: str,
+    p_order: str,
+    c_order: str,
+    p_tp: int,
+    c_tp: int,
+    ratio: int,
+) -> None:
+    """The same check on a pull between two daemons (tests/test_peer.py covers kv_first)."""
+    producer, consumer = peers
+    dtype = torch.bfloat16
+    src = _Engine(producer.config.endpoint, arrangement, SRC_TOKENS, p_order, dtype, p_tp)
+    dst = _Engine(consumer.config.endpoint, arrangement, SRC_TOKENS * ratio, c_order, dtype, c_tp)
+    try:
+        src_ids, dst_ids = [9, 2, 3, 11, 0, 5, 7, 4][: 2 * ratio], [6, 1]
+        src.client.publish(src.name, f"r-{dst.name}", src_ids)
+        pulled = dst.client.pull(
+            dst.name,
+            producer.config.peer_endpoint,
+            src.name,
+            {"r": (src_ids, dst_ids)},
+            remote_request_ids={"r": f"r-{dst.name}"},
+            plane=plane,  # type: ignore[arg-type]
+        )
+        assert pulled.finished == ["r"] and pulled.plane == plane, pulled
+        _check(src, dst, src_ids, dst_ids, f"{plane} pull, TP {p_tp} -> {c_tp}")
+    finally:
+        src.close()
+        dst.close()
