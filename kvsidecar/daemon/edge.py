@@ -266,7 +266,8 @@ class Edge:
                 if sock is None:
                     raise zmq.ZMQError(msg="the control socket is closed")
                 # A ROUTER never blocks on send (it drops for a gone or saturated peer).
-                trackers = zmqio.send_frames(sock, [ident, header, *data], track=large)
+                frames = [ident, header, *data]
+                trackers = zmqio.send_frames(sock, frames, copy=not large, track=large)
                 # The send may have taken the fd's edge: requests waiting now would go unnoticed.
                 pending = zmqio.readable(sock)
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
