@@ -12,6 +12,8 @@ the source's K and V both into the destination's K half (the pulls were right).
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +22,9 @@ import torch
 from kvsidecar.client import BatchMove, BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.peer.nixl_plane import nixl_available
+from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Moved, Register
+from kvsidecar.wire.types import BufferDescriptor, LayerSpec, ShmRef
+from tests.helpers.raw import Raw, ids, sealed_memfd, send_fds_raw
 from tests.support.daemons import DaemonProcess, daemon_process, make_config, peer_daemon
 
 pytestmark = pytest.mark.timeout(180)
@@ -221,3 +226,74 @@ def test_remote_pulls_lay_tokens_end_to_end(
     finally:
         src.close()
         dst.close()
+
+
+def _register_mixed(
+    raw: Raw, fd_socket: str, engine: str, block_size: int
+) -> tuple[int, int, socket.socket]:
+    """Register a worker whose layer ``a`` is blocks_first and ``b`` kv_first (raw protocol: the
+    client library registers one arrangement per call). Returns its memfd, a layer's size and
+    its fd-channel connection (closing it releases the worker)."""
+    descs = [
+        BufferDescriptor(arr, "NHD", "float16", BLOCKS, block_size, HEADS, HEAD_SIZE)
+        for arr in ("blocks_first", "kv_first")
+    ]
+    nbytes = 2 * BLOCKS * block_size * HEADS * HEAD_SIZE * 2
+    fd = sealed_memfd(2 * nbytes, fill=block_size)
+    token = os.urandom(16)
+    conn = send_fds_raw(fd_socket, token, [fd])
+    reply = raw.call(
+        Register(
+            id=raw.next_id(),
+            protocol_version=PROTOCOL_VERSION,
+            worker=WorkerRef(engine),
+            tp_size=1,
+            layers=[
+                LayerSpec(name, desc, ShmRef(0, 2 * nbytes, i * nbytes, nbytes))
+                for i, (name, desc) in enumerate(zip("ab", descs, strict=True))
+            ],
+            fd_token=token,
+        )
+    )
+    assert not isinstance(reply, Error), reply
+    return fd, nbytes, conn
+
+
+def test_a_reblocked_move_mixing_blocks_first_with_other_layers_is_refused(
+    daemon: DaemonProcess,
+) -> None:
+    """blocks_first rows split in two before the ratio, other layers' do not: one move cannot
+    plan both, so it is refused whole, nothing written; each arrangement alone moves."""
+    with Raw(daemon.config.endpoint) as raw:
+        src_fd, _, src_conn = _register_mixed(raw, daemon.config.fd_socket, "mixed-4", SRC_TOKENS)
+        dst_fd, nbytes, dst_conn = _register_mixed(
+            raw, daemon.config.fd_socket, "mixed-8", 2 * SRC_TOKENS
+        )
+        try:
+            src, dst = BufferSetRef(WorkerRef("mixed-4")), BufferSetRef(WorkerRef("mixed-8"))
+            before = os.pread(dst_fd, 2 * nbytes, 0)
+            refused = raw.call(Move(id=raw.next_id(), src=src, dst=dst), ids(0, 1), ids(2))
+            assert isinstance(refused, Error) and refused.code == "incompatible_buffers", refused
+            assert os.pread(dst_fd, 2 * nbytes, 0) == before
+            row = nbytes // BLOCKS  # one block's K and V
+            for i, layer in enumerate("ab"):
+                move = Move(id=raw.next_id(), src=src, dst=dst, layers=[layer])
+                moved = raw.call(move, ids(0, 1), ids(2))
+                assert isinstance(moved, Moved) and moved.blocks == 1, moved
+                # The source is all 4s, the destination 8s: block 2 of this layer, and nothing
+                # else, now holds 4s (K and V side by side in a blocks_first row; kv_first has
+                # all K rows, then all V rows).
+                want = bytearray(b"\x08" * nbytes)
+                spans = (
+                    [(2 * row, row)]
+                    if layer == "a"
+                    else [(row, row // 2), (nbytes // 2 + row, row // 2)]
+                )
+                for start, length in spans:
+                    want[start : start + length] = b"\x04" * length
+                assert os.pread(dst_fd, nbytes, i * nbytes) == bytes(want), layer
+        finally:
+            for conn in (src_conn, dst_conn):
+                conn.close()
+            os.close(src_fd)
+            os.close(dst_fd)

@@ -223,8 +223,15 @@ def _pair_plan(
     if len(ratios) != 1:
         raise SidecarError("incompatible_buffers", "layers disagree on the block-size ratio")
     ratio = ratios.pop()
-    arrangement = src.layers[names[0]].descriptor.arrangement  # one for all (`_ratio`)
-    parts = 2 if ratio > 1 and arrangement == "blocks_first" else 1
+    # One plan serves every layer's views, so they must all split alike (module doc).
+    split = {ratio > 1 and src.layers[n].descriptor.arrangement == "blocks_first" for n in names}
+    if len(split) != 1:
+        raise SidecarError(
+            "incompatible_buffers",
+            "blocks_first layers change block size in a move of their own: their rows hold K "
+            "and V (name the layers of each arrangement in separate moves)",
+        )
+    parts = 2 if split.pop() else 1
     src_views = [v for n in names for v in _split_rows(src.layers[n], parts)]
     dst_views = [v for n in names for v in _split_rows(dst.layers[n], parts * ratio)]
     groups = copier.cpu_groups(src_views, dst_views) if ratio == 1 else None
