@@ -143,10 +143,10 @@ def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
     for remote_layout, remote_bs in (("vllm_cpu", 64), ("vllm_cpu", 32), ("opaque", 64)):
         mixed = {**params, "remote_layout": remote_layout, "remote_block_size": remote_bs}
         assert side.lookup(Req("r", [], 100, mixed), 0) == (0, False), remote_layout
-    # No pull into amx blocks at all (vLLM's amx attention, docs/vllm.md); vec-packed blocks of
-    # the same packing pass the layout checks (lookup itself needs a daemon to pull from).
-    assert "amx attention" in (side._pull_problem(64, "vllm_cpu_amx") or "")
-    assert "amx attention" in (side._pull_problem(32, "vllm_cpu_amx") or "")
+    # Blocks of the same packing pass the layout checks, amx (re-blocked or not) and vec alike
+    # (lookup itself needs a daemon to pull from).
+    assert side._pull_problem(64, "vllm_cpu_amx") is None
+    assert side._pull_problem(32, "vllm_cpu_amx") is None
     side.layout = "vllm_cpu"
     assert side._pull_problem(32, "vllm_cpu") is None
     assert "'vllm_cpu_amx'" in (side._pull_problem(32, "vllm_cpu_amx") or "")

@@ -153,6 +153,21 @@ def _cpu_packing(vllm_config: Any, t: torch.Tensor) -> Arrangement | None:
     return None
 
 
+def _request_amx() -> None:
+    """Get this process Linux's leave to use AMX tiles, which vLLM's amx attention needs.
+
+    Linux grants AMX to a process only once it asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); an
+    AMX instruction before that is an illegal instruction. vLLM 0.32's ``amx`` attention kernel
+    does not ask: an engine survives only if something asked first, such as a oneDNN bfloat16
+    GEMM large enough for AMX. A decode engine whose first forward is a pulled prompt's last
+    token got SIGILL in ``cpu_attention_with_kv_cache`` (docs/vllm.md, "AMX"); the same kernel,
+    called in a fresh process, dies the same way, and lives once the process has asked.
+    """
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is None or not init():
+        log.warning("kvsidecar: the CPU cache is amx-packed but Linux did not grant AMX")
+
+
 def _packed_by_definition(
     arrangement: Arrangement, key: torch.Tensor, value: torch.Tensor, n: int
 ) -> torch.Tensor | None:
@@ -237,6 +252,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         first = next(iter(kv_caches.values()))
         packing = _cpu_packing(self._vllm_config, first) if first.dim() == 4 else None
+        if packing == "vllm_cpu_amx":
+            _request_amx()
         self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
 
     def get_handshake_metadata(self) -> SidecarHandshake | None:

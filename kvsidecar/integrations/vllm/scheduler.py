@@ -181,13 +181,6 @@ class SchedulerSide:
             # vLLM's vec and amx CPU kernels pack a block differently (the ISA follows the CPU,
             # the dtype and the block size): the daemon would refuse the pull.
             return f"the producer's cache is {remote_layout!r}, this engine's {self.layout!r}"
-        if self.layout == "vllm_cpu_amx":
-            # The daemon moves and re-blocks amx-packed blocks correctly (tests/
-            # test_vllm_cpu_layout.py, against vLLM's own kernel), but vLLM 0.32's decode engine
-            # died (SIGILL in cpu_attention_with_kv_cache) on its first step after any pull that
-            # completed a while after the request began waiting for it (through two daemons,
-            # or a delayed local one; re-blocked or not): it computes instead (docs/vllm.md, "AMX").
-            return "vLLM's amx attention died after pulls in this project's tests"
         return None
 
     def after_alloc(
