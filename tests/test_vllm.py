@@ -231,7 +231,7 @@ def _amx_attention(mode: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_vllms_amx_attention_lives_on_the_leave_the_connector_asks_for(
+def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
     kernel_packing: dict[str, Any],
 ) -> None:
     """vLLM 0.32's amx attention uses AMX tiles without asking Linux for them: in a process where
@@ -239,7 +239,7 @@ def test_vllms_amx_attention_lives_on_the_leave_the_connector_asks_for(
     pulled prompt's last token. The connector asks when it registers an amx-packed cache
     (`_request_amx`); then the kernel's output is right (tests/helpers/vllm_amx_attention.py)."""
     if kernel_packing["isa"] != "amx":
-        pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no leave")
+        pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no permission")
     asked = _amx_attention("ask")
     assert asked.returncode == 0, asked.stderr[-2000:]
     assert json.loads(asked.stdout.strip().splitlines()[-1])["max_error"] < 0.02

@@ -2,12 +2,12 @@
 
 Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH`` (tests/test_vllm.py), as
 ``python -m tests.helpers.vllm_amx_attention ask|no-ask``. With ``ask`` the process first calls
-the connector's `_request_amx` (Linux's leave to use AMX tiles); with ``no-ask`` nothing in it
+the connector's `_request_amx` (Linux's permission to use AMX tiles); with ``no-ask`` nothing in it
 has asked. Then K and V of 130 tokens go into a bfloat16 cache of 64-token blocks through
 ``cpu_attn_reshape_and_cache`` (isa ``amx``), and one query token attends to them through
 ``cpu_attention_with_kv_cache``, as a decode engine's first step after a pulled prompt does. The
 output is compared with softmax(q K^T / sqrt(C)) V computed here in float32; prints one JSON line
-``{"max_error": ...}``. Without the leave, the kernel's first AMX instruction kills the process
+``{"max_error": ...}``. Without the permission, the kernel's first AMX instruction kills the process
 (SIGILL) before it prints.
 """
 

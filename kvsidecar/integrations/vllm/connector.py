@@ -154,7 +154,7 @@ def _cpu_packing(vllm_config: Any, t: torch.Tensor) -> Arrangement | None:
 
 
 def _request_amx() -> None:
-    """Get this process Linux's leave to use AMX tiles, which vLLM's amx attention needs.
+    """Ask Linux to let this process use AMX tiles, which vLLM's amx attention needs.
 
     Linux grants AMX to a process only once it asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); an
     AMX instruction before that is an illegal instruction. vLLM 0.32's ``amx`` attention kernel
