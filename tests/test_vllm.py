@@ -197,31 +197,10 @@ def baseline(rig: Rig) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): r["tokens"] for p, r in zip(EVERY, out, strict=True)}
 
 
-@pytest.fixture(scope="module")
-def kernel_packing() -> dict[str, Any]:
-    """vLLM's CPU kernels against tests/support/vllm_layout.py (helpers/vllm_kernel_packing)."""
-    out = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_kernel_packing"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        check=True,
-        timeout=300,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-@pytest.fixture(scope="module")
-def arrangement(kernel_packing: dict[str, Any]) -> Arrangement:
-    """The arrangement the test model's caches have here: vLLM picks its kernels by CPU."""
-    return "vllm_cpu_amx" if kernel_packing["isa"] == "amx" else "vllm_cpu"
-
-
-def _amx_attention(mode: str) -> subprocess.CompletedProcess[str]:
+def _vllm_helper(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``tests.helpers.<module>`` with .venv-vllm's Python, this checkout importable."""
     return subprocess.run(
-        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_amx_attention", mode],
+        [str(VLLM_PYTHON), "-m", f"tests.helpers.{module}", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -229,6 +208,26 @@ def _amx_attention(mode: str) -> subprocess.CompletedProcess[str]:
         check=False,
         timeout=300,
     )
+
+
+def _last_json(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The JSON line a helper prints last."""
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def kernel_packing() -> dict[str, Any]:
+    """vLLM's CPU kernels against tests/support/vllm_layout.py (helpers/vllm_kernel_packing)."""
+    out = _vllm_helper("vllm_kernel_packing")
+    out.check_returncode()
+    return _last_json(out)
+
+
+@pytest.fixture(scope="module")
+def arrangement(kernel_packing: dict[str, Any]) -> Arrangement:
+    """The arrangement the test model's caches have here: vLLM picks its kernels by CPU."""
+    return "vllm_cpu_amx" if kernel_packing["isa"] == "amx" else "vllm_cpu"
 
 
 def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
@@ -240,10 +239,10 @@ def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
     (`_request_amx`); then the kernel's output is right (tests/helpers/vllm_amx_attention.py)."""
     if kernel_packing["isa"] != "amx":
         pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no permission")
-    asked = _amx_attention("ask")
+    asked = _vllm_helper("vllm_amx_attention", "ask")
     assert asked.returncode == 0, asked.stderr[-2000:]
-    assert json.loads(asked.stdout.strip().splitlines()[-1])["max_error"] < 0.02
-    unasked = _amx_attention("no-ask")
+    assert _last_json(asked)["max_error"] < 0.02
+    unasked = _vllm_helper("vllm_amx_attention", "no-ask")
     assert unasked.returncode == -signal.SIGILL, (unasked.returncode, unasked.stderr[-2000:])
 
 
