@@ -29,6 +29,7 @@ import pickle
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,10 +81,13 @@ RETRY_S = 2.0
 class Engine(LineChild):
     """One vLLM engine process (`tests.helpers.vllm_engine`), its log in a file."""
 
-    def __init__(self, name: str, spec: dict[str, Any], log_dir: Path) -> None:
+    def __init__(self, name: str, spec: dict[str, Any], log_dir: Path, scratch: Path) -> None:
         self.log_path = log_dir / f"engine-{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        # vLLM leaves its ipc sockets and rendezvous files in the temporary directory when its
+        # engine exits: they go to the rig's own, which the rig removes (`Rig.stop`).
+        env["TMPDIR"] = str(scratch)
         super().__init__(
             "vllm_engine",
             json.dumps(spec),
@@ -147,6 +151,8 @@ class Rig:
         self.d1 = DaemonProcess(daemon_config())
         self.d2 = DaemonProcess(daemon_config())
         self.engines: dict[str, Engine] = {}
+        # Short, under /tmp: an ipc socket's path must fit in 107 bytes (`Engine`).
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))
 
     def spec(self, block_size: int, daemon: DaemonProcess | None) -> dict[str, Any]:
         spec: dict[str, Any] = {"model": str(self.model), "block_size": block_size}
@@ -163,8 +169,8 @@ class Rig:
         for d in (self.d1, self.d2):
             d.wait_ready()
         for name, bs, d in (("base", 32, None), ("a", 32, self.d1), ("b", 32, self.d1)):
-            self.engines[name] = Engine(name, self.spec(bs, d), self.tmp)
-        self.engines["c"] = Engine("c", self.spec(64, self.d2), self.tmp)
+            self.engines[name] = Engine(name, self.spec(bs, d), self.tmp, self.scratch)
+        self.engines["c"] = Engine("c", self.spec(64, self.d2), self.tmp, self.scratch)
         for engine in self.engines.values():
             engine.wait_ready()
 
@@ -176,6 +182,7 @@ class Rig:
         for d in (self.d1, self.d2):
             d.stop()
             shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
