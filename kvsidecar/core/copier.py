@@ -163,15 +163,19 @@ def cpu_groups(
 def copy_small(
     groups: Sequence[_BytePair],
     runs: Sequence[tuple[int, int, int]],
+    row_bytes: int | None = None,
 ) -> int:
     """Copy a few runs between `cpu_groups` arrays (2-D rows or 3-D stacks of layers).
 
     The fast path for small moves: no per-call view building or stacking, whose fixed cost
     dwarfs copying a few blocks, and no numpy plan. The caller has checked everything
-    `copy_runs` checks (the runs fit both sides). Returns the bytes copied.
+    `copy_runs` checks (the runs fit both sides). Returns the bytes copied; ``row_bytes``:
+    the groups' `group_row_bytes`, when the caller has it already.
     """
     _copy_numpy(groups, [s for s, _, _ in runs], [d for _, d, _ in runs], [n for _, _, n in runs])
-    return group_row_bytes(groups) * sum(n for _, _, n in runs)
+    if row_bytes is None:
+        row_bytes = group_row_bytes(groups)
+    return row_bytes * sum(n for _, _, n in runs)
 
 
 def copy_groups(

@@ -17,6 +17,7 @@ in the destination's K region and their V in its V region, as a node-to-node pul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -203,6 +204,9 @@ class _PairPlan:
     """Bytes one block id moves over the ``cpu_groups`` (0 without them)."""
     src_views: list[torch.Tensor]
     dst_views: list[torch.Tensor]
+    src_blocks: int
+    dst_blocks: int
+    """The two sides' block counts (a registration's never change)."""
     cuda_devices: tuple[int, ...]
     """The CUDA devices whose memory the move touches (empty: a CPU move)."""
 
@@ -248,6 +252,8 @@ def _pair_plan(
         block_bytes=0 if groups is None else copier.group_row_bytes(groups),
         src_views=src_views,
         dst_views=dst_views,
+        src_blocks=src.num_blocks,
+        dst_blocks=dst.num_blocks,
         cuda_devices=tuple(
             sorted({v.device.index or 0 for v in (*src_views, *dst_views) if v.is_cuda})
         ),
@@ -296,20 +302,24 @@ def move_job(
     """
     pair = _pair_plan(registry, src, dst, layers)
     ratio = pair.ratio
-    _check_ids(src, dst, src_ids, dst_ids, ratio)
+    small = dst_ids.size <= mover.SMALL_MOVE_IDS
+    src_list = src_ids.tolist() if small else []
+    dst_list = dst_ids.tolist() if small else []
+    blocks = (pair.src_blocks, pair.dst_blocks)
+    if not (
+        small and _fine_small(src_list, dst_list, ratio=ratio, blocks=blocks, same_set=src is dst)
+    ):
+        _check_ids(src, dst, src_ids, dst_ids, ratio)  # raises with the reason, or checks many
     fixes = pair.fixes
     verification = integrity.Verification() if checksum else None
     copy: Callable[[], int]
     # A move of a few blocks between CPU buffers: copied straight between cached numpy rows.
     groups = pair.cpu_groups
     inline = False
-    if groups is not None and verification is None and dst_ids.size <= mover.SMALL_MOVE_IDS:
-        runs = mover.plan_small(src_ids.tolist(), dst_ids.tolist())
+    if groups is not None and verification is None and small:
         inline = not fixes and pair.block_bytes * src_ids.size <= INLINE_MAX_BYTES
-
-        def copy() -> int:
-            return copier.copy_small(groups, runs)
-
+        runs = mover.plan_small(src_list, dst_list)
+        copy = functools.partial(copier.copy_small, groups, runs, pair.block_bytes)
     else:
         src_rows, dst_rows = _row_ids(
             src_ids.astype(np.int64), dst_ids.astype(np.int64), ratio, pair.parts
@@ -333,22 +343,36 @@ def move_job(
                 result=verification,
             )
 
-    def run() -> int:
+    def run() -> int:  # the copy, then the layout fix of what it wrote
         copied = copy()
-        if fixes:
-            fix_layers(fixes, torch.from_numpy(dst_ids.astype(np.int64)), ratio)
-        return int(copied)
+        fix_layers(fixes, torch.from_numpy(dst_ids.astype(np.int64)), ratio)
+        return copied
 
     return Job(
         reads={src.key: src_ids},
         writes={dst.key: dst_ids},
-        run=_on_copy_streams(run, pair.cuda_devices, events),
+        run=_on_copy_streams(run if fixes else copy, pair.cuda_devices, events),
         blocks=int(dst_ids.size),
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
         verification=verification,
         inline=inline,
     )
+
+
+def _fine_small(
+    src: list[int], dst: list[int], *, ratio: int, blocks: tuple[int, int], same_set: bool
+) -> bool:
+    """Whether a few ids pass every check of `_check_ids` (one pass over plain lists).
+
+    False says only that `_check_ids` must look: it names what is wrong.
+    """
+    if not dst or len(src) != ratio * len(dst):
+        return False
+    if min(src) < 0 or max(src) >= blocks[0] or min(dst) < 0 or max(dst) >= blocks[1]:
+        return False
+    unique = set(dst)
+    return len(unique) == len(dst) and not (same_set and not unique.isdisjoint(src))
 
 
 def _check_ids(
