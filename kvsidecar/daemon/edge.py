@@ -81,6 +81,14 @@ NOBODY = Principal(frozenset(), admin=False, user="")
 BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
 """Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
 
+OPEN = (Hello, Status, Heartbeat)
+"""Requests anyone may send: no principal is looked up for them."""
+
+ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
+"""Requests run as copy jobs, which answer through their `ReplyTo` themselves.
+
+Tuples, not unions, for ``isinstance``: a union is built anew at each call (3-6x the cost)."""
+
 
 def _no_room(size: int, limit: int) -> str:
     what = f"a reply of {size} bytes" if size else "a reply that may be large"
@@ -294,15 +302,13 @@ class Edge:
             if not body:
                 raise SidecarError("bad_frame", "a request needs a header frame")
             header = body[0].buffer
-            total = sum(f.buffer.nbytes for f in body)
-            if (
-                header.nbytes > self.config.max_header_bytes
-                or total > self.config.max_message_bytes
-            ):
-                request_id = self._peek_id(header) if header.nbytes <= (1 << 16) else 0
+            size = len(body[0])  # a frame's len() is its size, without a memoryview
+            total = sum(map(len, body))
+            if size > self.config.max_header_bytes or total > self.config.max_message_bytes:
+                request_id = self._peek_id(header) if size <= (1 << 16) else 0
                 raise SidecarError(
                     "too_large",
-                    f"request of {total} bytes (header {header.nbytes}); limits "
+                    f"request of {total} bytes (header {size}); limits "
                     f"{self.config.max_message_bytes} and {self.config.max_header_bytes}",
                 )
             request = self._decode(header)
@@ -322,7 +328,7 @@ class Edge:
                 raise SidecarError("busy", _no_room(0, self.reply_budget.limit))
             # security: forbidden before anything is done; these three are anyone's
             who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
-            if not isinstance(request, Hello | Status | Heartbeat):
+            if not isinstance(request, OPEN):
                 who = self._principal(ident, body[0])
                 authorize(self.access, who, request)
             reply_to = ReplyTo(self, ident, command, started, who.user)
@@ -341,7 +347,7 @@ class Edge:
             self._send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
             # answered by `Commands._run_job` (already, when the job ran inline)
-            if isinstance(request, Move | FixLayout | MoveBatch | CacheStore | CacheLoad):
+            if isinstance(request, ANSWERED_BY_JOB):
                 if not result.done():
                     self._replies.add(result)
                     result.add_done_callback(self._replies.discard)
