@@ -295,6 +295,31 @@ def test_register_into_another_users_engine_is_refused() -> None:
     acl.check_register(stranger, "e")  # gone: the name is free again
 
 
+def test_a_principal_follows_its_connections_bindings() -> None:
+    """`AccessControl.principal` keeps its answers: a binding made or ended changes them at once."""
+    engines: dict[str, Engine] = {}
+    acl = AccessControl(admin_uids=[0], lookup=engines.get)
+    engines["e"] = Engine("e", "", 1, 1, 1, 0, None, epoch=7, owner="uid:1000")
+    before = acl.principal(b"x", "uid:1000")
+    assert before.engines == frozenset() and not acl.may(before, "e", write=True)
+    assert acl.principal(b"x", "uid:1000") is before  # asked again: the same answer
+    acl.bind(before, WorkerRef("e", 0), EngineId("e", 7))
+    acl.bind(before, WorkerRef("e", 1), EngineId("e", 7))
+    bound = acl.principal(b"x", "uid:1000")
+    assert bound.engines == {EngineId("e", 7)} and acl.may(bound, "e", write=True)
+    assert acl.principal(b"y", "uid:1000").engines == frozenset()  # another connection
+    acl.unbind(WorkerRef("e", 0))
+    assert acl.principal(b"x", "uid:1000").engines == {EngineId("e", 7)}  # rank 1 is left
+    acl.unbind(WorkerRef("e", 1))
+    after = acl.principal(b"x", "uid:1000")
+    assert after.engines == frozenset() and not acl.may(after, "e", write=True)
+    # The daemon's own uid with nothing bound is an administrator; bound, it is its engine's.
+    admin = acl.principal(b"w", "uid:0")
+    assert admin.admin
+    acl.bind(admin, WorkerRef("f"), EngineId("f", 9))
+    assert not acl.principal(b"w", "uid:0").admin
+
+
 async def test_peer_endpoint_refuses_daemons_without_the_cluster_key(tmp_path: Path) -> None:
     """The peer endpoint takes CURVE peers with an authorized key only (here: the cluster's)."""
     _, cluster = keygen(tmp_path / "cluster", "cluster")

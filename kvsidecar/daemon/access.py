@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from kvsidecar.daemon.registry import Engine
 
 
+_MAX_PRINCIPALS = 4096
+"""Principals kept by `AccessControl.principal` (one per live connection and user)."""
+
+
 class EngineId(NamedTuple):
     """One engine as a holder of rights: its name and the epoch it was created with."""
 
@@ -103,6 +107,8 @@ class AccessControl:
         self._by_worker: dict[WorkerRef, tuple[bytes, str]] = {}
         self._grants: dict[EngineId, dict[tuple[str, str], _Rights]] = {}
         """owner engine -> (grantee name, grantee user) -> rights."""
+        self._principals: dict[tuple[bytes, str], Principal] = {}
+        """`principal`'s answers, by connection and user; a binding's change drops its own."""
 
     def current(self, name: str) -> EngineId | None:
         """Return the engine registered under ``name`` now, if any."""
@@ -116,12 +122,14 @@ class AccessControl:
         key = (who.ident, who.user)
         self._bound.setdefault(key, {})[ref] = engine
         self._by_worker[ref] = key
+        self._principals.pop(key, None)
 
     def unbind(self, ref: WorkerRef) -> None:
         """Forget a released worker's binding."""
         key = self._by_worker.pop(ref, None)
         if key is None:
             return
+        self._principals.pop(key, None)
         refs = self._bound.get(key)
         if refs is not None:
             refs.pop(ref, None)
@@ -130,12 +138,20 @@ class AccessControl:
 
     def principal(self, ident: bytes, user: str) -> Principal:
         """Return who sent a request on connection ``ident`` (transport user ``user``)."""
-        refs = self._bound.get((ident, user))
+        key = (ident, user)
+        who = self._principals.get(key)
+        if who is not None:
+            return who
+        refs = self._bound.get(key)
         engines = frozenset(refs.values()) if refs else frozenset()
         admin = not engines and (
             user in self._admin_users or user.startswith("curve:") or user == "insecure"
         )
-        return Principal(engines, admin, user, ident)
+        who = Principal(engines, admin, user, ident)
+        if len(self._principals) >= _MAX_PRINCIPALS:  # connections come and go: start over
+            self._principals.clear()
+        self._principals[key] = who
+        return who
 
     # -- engines and grants
 
@@ -185,8 +201,10 @@ class AccessControl:
 
     def may(self, who: Principal, engine_id: str, *, write: bool) -> bool:
         """Whether ``who`` may read (or write) ``engine_id``'s buffers and host blocks."""
+        if who.admin:
+            return True
         engine = self.current(engine_id)
-        if who.admin or engine is None or engine in who.engines:
+        if engine is None or engine in who.engines:
             return True
         for (name, _), rights in self._grants.get(engine, {}).items():
             allowed = rights.write if write else rights.read
