@@ -302,7 +302,8 @@ def move_job(
     """
     pair = _pair_plan(registry, src, dst, layers)
     ratio = pair.ratio
-    small = dst_ids.size <= mover.SMALL_MOVE_IDS
+    # Both sides bounded: a length mismatch must not turn a huge id frame into a list first.
+    small = dst_ids.size <= mover.SMALL_MOVE_IDS and src_ids.size <= ratio * mover.SMALL_MOVE_IDS
     src_list = src_ids.tolist() if small else []
     dst_list = dst_ids.tolist() if small else []
     blocks = (pair.src_blocks, pair.dst_blocks)
