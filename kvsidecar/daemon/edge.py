@@ -87,7 +87,8 @@ OPEN = (Hello, Status, Heartbeat)
 ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 """Requests run as copy jobs, which answer through their `ReplyTo` themselves.
 
-Tuples, not unions, for ``isinstance``: a union is built anew at each call (3-6x the cost)."""
+Tuples, not unions, for ``isinstance``: a union is built anew at each call (about twice the
+cost, measured)."""
 
 
 def _no_room(size: int, limit: int) -> str:
