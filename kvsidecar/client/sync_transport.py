@@ -40,16 +40,6 @@ PUMP_SLICE_S = 0.05
 """Longest a wait for submitted calls holds the socket at one time (`_BlockingTransport._pump`)."""
 
 
-_SNDMORE = int(zmq.SNDMORE)
-
-
-def _send(sock: zmq.Socket[Any], frames: list[Any]) -> None:
-    """``send_multipart(frames, copy=False)`` without pyzmq's flag enums (µs per call)."""
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        sock.send(frame, _SNDMORE if i < last else 0, copy=False)
-
-
 class Pending(Generic[T]):
     """A submitted call (`SidecarClient.submit_*`): poll with `done`, wait with `wait`/`result`.
 
@@ -151,7 +141,10 @@ class _BlockingTransport(_Requests):
             if self._lost or self._daemon_gone():
                 self._lost = True
                 self.reconnect()  # raises connection_lost while the daemon stays away
-            _send(self._sock, [self._codec.encoder.encode(req), *data])
+            # pyzmq's send_multipart computes flag enums per frame: a few µs of every call.
+            zmqio.send_frames(
+                self._sock, [self._codec.encoder.encode(req), *data], copy=False, block=True
+            )
             deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
             poller = self._reply_poller()
             while True:
@@ -208,7 +201,8 @@ class _BlockingTransport(_Requests):
             timeout = self.timeout_s if call.timeout is None else call.timeout
             pending = Pending(self, call, time.monotonic() + timeout)
             self._pending[call.req.id] = pending
-            _send(self._sock, [self._codec.encoder.encode(call.req), *call.data])
+            frames = [self._codec.encoder.encode(call.req), *call.data]
+            zmqio.send_frames(self._sock, frames, copy=False, block=True)
             return pending
         finally:
             self._lock.release()

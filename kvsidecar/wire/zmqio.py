@@ -22,6 +22,7 @@ EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
@@ -64,22 +65,29 @@ header or a few ids, pyzmq's zero-copy frame object costs more than the copy (11
 
 
 def send_frames(
-    sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool | None = None, track: bool = False
+    sock: zmq.Socket[Any],
+    frames: Sequence[Any],
+    *,
+    copy: bool | None = None,
+    track: bool = False,
+    block: bool = False,
 ) -> list[zmq.MessageTracker]:
     """Queue one multipart message without blocking (raises `zmq.Again` if the queue is full).
 
     ``copy``: None copies messages under `COPY_BELOW` bytes and sends larger ones zero-copy.
     A multipart message is queued whole or not at all, so only the first part can fail.
     ``track`` (zero-copy sends only): return one tracker per frame, done once libzmq let go
-    of it (sent, or dropped).
+    of it (sent, or dropped). ``block``: wait while the queue is full instead (a blocking
+    client's one call at a time).
     """
     if copy is None:
         copy = sum(memoryview(f).nbytes for f in frames) < COPY_BELOW
     track = track and not copy
+    more, end = (_SNDMORE, 0) if block else (_MORE, NOBLOCK)
     last = len(frames) - 1
     trackers = []
     for i, frame in enumerate(frames):
-        sent = sock.send(frame, _MORE if i < last else NOBLOCK, copy=copy, track=track)
+        sent = sock.send(frame, more if i < last else end, copy=copy, track=track)
         if track and isinstance(sent, zmq.MessageTracker):
             trackers.append(sent)
     return trackers
