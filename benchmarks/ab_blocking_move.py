@@ -17,14 +17,11 @@ A/A control: its B/A shows the bias of B's place in the turn (about 0.98-1.0 her
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,39 +35,21 @@ from kvsidecar.bench.local import engines
 from kvsidecar.client import SidecarClient
 
 
-@contextlib.contextmanager
-def daemon(tree: str) -> Iterator[str]:
-    """``kvsidecar serve`` of checkout ``tree`` (as `procs.daemon`); yields its endpoint."""
-    runtime = tempfile.mkdtemp(prefix="kvsab-", dir="/tmp")
-    endpoint = f"ipc://{runtime}/control.sock"
-    env = procs.child_env()
-    env["PYTHONPATH"] = str(Path(tree).resolve())
-    argv = [sys.executable, "-m", "kvsidecar.cli", "serve", "--runtime-dir", runtime]
-    argv += ["--host-pool-bytes", "0", "--lease-s", "30", "--log-level", "warning"]
-    argv += ["--metrics-port", "-1", "--peer-data-plane", "zmq"]
-    proc = subprocess.Popen(argv, env=env, cwd="/tmp", preexec_fn=procs.die_with_parent)  # noqa: PLW1509
-    try:
-        procs._wait_ready(endpoint, proc)
-        yield endpoint
-    finally:
-        procs.stop(proc)
-        shutil.rmtree(runtime, ignore_errors=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("tree_a")
     parser.add_argument("tree_b")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    runtime = tempfile.mkdtemp(prefix="kvsab-echo-", dir="/tmp")
-    echo_ep = f"ipc://{runtime}/echo.sock"
+    runtime = tempfile.TemporaryDirectory(prefix="kvsab-echo-", dir="/tmp")  # gone on failure too
+    echo_ep = f"ipc://{runtime.name}/echo.sock"
     opts = Options()
     one = np.array([3], dtype="<i4")
     with (
+        runtime,
         procs.echo_server(echo_ep, blocking=True),
-        daemon(args.tree_a) as ep_a,
-        daemon(args.tree_b) as ep_b,
+        procs.daemon(checkout=args.tree_a) as (ep_a, _),
+        procs.daemon(checkout=args.tree_b) as (ep_b, _),
         engines(ep_a, opts, num_blocks=64, layers=4) as eng_a,
         engines(ep_b, opts, num_blocks=64, layers=4) as eng_b,
         SidecarClient(ep_a, timeout_s=10, name="ab-a", heartbeat=False) as client_a,
@@ -100,7 +79,6 @@ def main() -> None:
         finally:
             sock.close()
             ctx.term()
-    shutil.rmtree(runtime, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in p50.items()}
     ratio_a = statistics.median(a / e for a, e in zip(p50["A"], p50["echo"], strict=True))
     ratio_b = statistics.median(b / e for b, e in zip(p50["B"], p50["echo"], strict=True))

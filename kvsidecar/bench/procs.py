@@ -57,12 +57,18 @@ def stop(proc: subprocess.Popen[Any], grace_s: float = 20) -> None:
 
 @contextlib.contextmanager
 def daemon(
-    *, host_pool_bytes: int = 0, peer_data_plane: str = "zmq", **settings: Any
+    *,
+    host_pool_bytes: int = 0,
+    peer_data_plane: str = "zmq",
+    checkout: str | None = None,
+    **settings: Any,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``kvsidecar serve`` in its own process and runtime dir; yields (control endpoint, process).
 
     ``settings`` become ``--flag value`` (``peer_endpoint="tcp://..."`` -> ``--peer-endpoint``;
     booleans ``--flag`` / ``--no-flag``).
+    ``checkout``: serve the kvsidecar of that source tree instead of this process's own (an
+    A/B of two commits, `benchmarks/ab_blocking_move.py`).
     The daemon's log is printed on stderr if it exits with an error.
     """
     runtime = tempfile.mkdtemp(prefix="kvsb-", dir="/tmp")  # short: ipc paths have a limit
@@ -87,7 +93,11 @@ def daemon(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             argv,
-            env=child_env(),
+            # ``-m`` puts the working directory first on the path: the runtime dir shadows no tree.
+            env=child_env(
+                None if checkout is None else {"PYTHONPATH": str(Path(checkout).resolve())}
+            ),
+            cwd=None if checkout is None else runtime,
             preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl, safe before exec
             stdout=log,
             stderr=subprocess.STDOUT,
