@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.bench import charts, procs
-from kvsidecar.bench.common import RESULT_KEYS, BenchUnavailable, Figure, Options, percentile, table
+from kvsidecar.bench.common import (
+    RESULT_KEYS,
+    BenchUnavailable,
+    Figure,
+    Options,
+    cpu_idle,
+    describe_cpu_idle,
+    percentile,
+    table,
+)
 from kvsidecar.bench.workload import id_sets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +60,7 @@ def check_results(path: Path) -> list[dict[str, object]]:
     doc = json.loads(path.read_text())
     assert set(doc) == {"machine", "results"}
     assert doc["machine"]["cpus"] >= 1 and len(doc["machine"]["loadavg"]) == 3
+    assert doc["machine"]["cpu_idle"] == cpu_idle()  # this machine's, as sysfs has it now
     assert doc["results"]
     for entry in doc["results"]:
         assert tuple(entry) == RESULT_KEYS
@@ -98,6 +108,43 @@ def test_latency_tiny_run(tmp_path: Path) -> None:
     results = check_results(tmp_path / "l.json")
     assert all(r["higher_is_better"] is False and r["unit"] == "µs" for r in results)
     assert any(r["name"] == "latency/1-block move, 1 layer p50" for r in results)
+    assert describe_cpu_idle(cpu_idle()) in out.stdout
+
+
+def test_cpu_idle_reads_driver_states_and_guest_halt_polling(tmp_path: Path) -> None:
+    """The facts come from sysfs as it is laid out (a tree written here stands in for /sys)."""
+
+    def put(path: str, text: str) -> None:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text + "\n")
+
+    assert cpu_idle(tmp_path) == {
+        "driver": None,
+        "governor": None,
+        "states": [],
+        "guest_halt_poll_ns": None,
+    }
+    assert describe_cpu_idle(cpu_idle(tmp_path)) == "cpu idle: no cpuidle driver"
+    put("devices/system/cpu/cpuidle/current_driver", "haltpoll")
+    put("devices/system/cpu/cpuidle/current_governor", "haltpoll")
+    for n, name in ((0, "POLL"), (1, "C1"), (2, "C2"), (10, "C10")):  # in number order
+        put(f"devices/system/cpu/cpu0/cpuidle/state{n}/name", name)
+    put("module/haltpoll/parameters/guest_halt_poll_ns", "0")
+    idle = cpu_idle(tmp_path)
+    assert idle == {
+        "driver": "haltpoll",
+        "governor": "haltpoll",
+        "states": ["POLL", "C1", "C2", "C10"],
+        "guest_halt_poll_ns": 0,
+    }
+    assert describe_cpu_idle(idle) == (
+        "cpu idle: driver haltpoll, governor haltpoll, guest halt polling off"
+    )
+    put("module/haltpoll/parameters/guest_halt_poll_ns", "200000")
+    put("devices/system/cpu/cpuidle/current_governor_ro", "menu")  # preferred where it exists
+    assert describe_cpu_idle(cpu_idle(tmp_path)) == (
+        "cpu idle: driver haltpoll, governor menu, guest halt polling up to 200000 ns"
+    )
 
 
 def test_latency_pinned_tiny_run(tmp_path: Path) -> None:

@@ -120,7 +120,14 @@ def run_and_report(
 
     Returns 0, or 1 when matplotlib is missing for ``chart`` or no kind could be measured.
     """
-    from kvsidecar.bench.common import BenchUnavailable, machine_info, note, table, write_json
+    from kvsidecar.bench.common import (
+        BenchUnavailable,
+        describe_cpu_idle,
+        machine_info,
+        note,
+        table,
+        write_json,
+    )
 
     if chart:
         from kvsidecar.bench.charts import require_matplotlib
@@ -157,6 +164,7 @@ def run_and_report(
         not_measured=failed,
     )
     print(f"\nload average at start {_load(load_before)}, at end {_load(machine['loadavg'])}")
+    print(describe_cpu_idle(machine["cpu_idle"]))
     if json_path:
         write_json(json_path, machine, figures)
         note(f"wrote {json_path}")
