@@ -240,9 +240,9 @@ def cpu_idle(sysfs: Path = Path("/sys")) -> dict[str, Any]:
 
     On a VM it sets what waking a thread on an idle CPU costs, which is most of a round trip
     between processes: with the guest's halt polling off (``guest_halt_poll_ns`` 0) every wait
-    halts the vCPU, and a blocking pyzmq echo took 134 µs here against 55 µs with it on
-    (docs/benchmarks.md, round 8). Latency figures from two machines compare only with this
-    beside them. Missing entries are None (no cpuidle, or not Linux).
+    halts the vCPU, and a blocking pyzmq echo took 143 µs (p50) on the project's VMs against
+    67 µs with it on (docs/benchmarks.md, round 8). Latency figures from two machines compare
+    only with this beside them. Missing entries are None (no cpuidle, or not Linux).
     """
     base = sysfs / "devices/system/cpu"
     states = sorted((base / "cpu0/cpuidle").glob("state*"), key=lambda p: int(p.name[5:]))
