@@ -2,7 +2,7 @@
 
 The duplicate-id check: a handful of ids (a Python set), many ids for a small buffer (one flag
 per block), and few ids for a large buffer (a sort): each must refuse exactly the id lists that
-repeat an id, and name a repeated one. A short move's one-pass check (`_fine_small`) must pass
+repeat an id, and name a repeated one. A short move's one-pass check (`fine_small`) must pass
 exactly the id lists that the full check (`_check_ids`) passes.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.daemon.jobs import _check_ids, _check_unique, _fine_small
+from kvsidecar.daemon.jobs import _check_ids, _check_unique, fine_small
 from kvsidecar.daemon.registry import BufferSet
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import WorkerRef
@@ -70,6 +70,6 @@ def test_a_short_moves_check_passes_exactly_what_the_full_check_passes(
         passes = True
     except SidecarError:
         passes = False
-    fine = _fine_small(src, dst, ratio=ratio, blocks=(src_blocks, n_dst), same_set=same)
+    fine = fine_small(src, dst, ratio=ratio, blocks=(src_blocks, n_dst), same_set=same)
     # An empty move passes the full check; the short one leaves it to the full one.
     assert fine == (passes and bool(dst))

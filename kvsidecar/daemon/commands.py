@@ -188,10 +188,13 @@ class Commands:
                 req.src, req.dst, req.request_ids, ok=False, dst_ids=dst_ids
             )
             return
-        reply = outcome.result()
+        self._move_succeeded(req, fix, outcome.result())
+
+    def _move_succeeded(self, req: Move, fix: LayoutFixKind | None, reply: Reply) -> None:
+        """Metrics and completions of a move that ran to the end (also `ShortMoves`')."""
         if isinstance(reply, Moved):
             self.observability.move_done(
-                kind, req.dst.worker.engine_id, reply.nbytes, reply.seconds
+                move_kind(req.src, req.dst), req.dst.worker.engine_id, reply.nbytes, reply.seconds
             )
             self.observability.layout_fixed(fix)
         self.completions.move_finished(req.src, req.dst, req.request_ids, ok=True)

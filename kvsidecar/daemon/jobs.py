@@ -215,10 +215,34 @@ _MAX_PLANS = 256
 """Cached pair plans; beyond it the cache starts over (layer subsets are the client's choice)."""
 
 
+def _plan_key(src: BufferSet, dst: BufferSet, layers: list[str] | None) -> Hashable:
+    return ("move", src, dst, None if layers is None else tuple(layers))
+
+
+def plain_pair(
+    registry: Registry, src: BufferSet, dst: BufferSet, layers: list[str] | None
+) -> _PairPlan | None:
+    """Return the cached plan of a pair whose moves are plain CPU row copies, or None.
+
+    Plain: equal block sizes, no layout fix, CPU memory on both sides (`cpu_groups`). None also
+    when no move between this pair and layer list made the plan yet (`move_job` makes it).
+    """
+    plan = registry.derived.get(_plan_key(src, dst, layers))
+    if (
+        isinstance(plan, _PairPlan)
+        and plan.ratio == 1
+        and not plan.fixes
+        and plan.cpu_groups is not None
+        and not plan.cuda_devices
+    ):
+        return plan
+    return None
+
+
 def _pair_plan(
     registry: Registry, src: BufferSet, dst: BufferSet, layers: list[str] | None
 ) -> _PairPlan:
-    key = ("move", src, dst, None if layers is None else tuple(layers))
+    key = _plan_key(src, dst, layers)
     plan = registry.derived.get(key)
     if isinstance(plan, _PairPlan):
         return plan
@@ -308,7 +332,7 @@ def move_job(
     dst_list = dst_ids.tolist() if small else []
     blocks = (pair.src_blocks, pair.dst_blocks)
     if not (
-        small and _fine_small(src_list, dst_list, ratio=ratio, blocks=blocks, same_set=src is dst)
+        small and fine_small(src_list, dst_list, ratio=ratio, blocks=blocks, same_set=src is dst)
     ):
         _check_ids(src, dst, src_ids, dst_ids, ratio)  # raises with the reason, or checks many
     fixes = pair.fixes
@@ -361,7 +385,7 @@ def move_job(
     )
 
 
-def _fine_small(
+def fine_small(
     src: list[int], dst: list[int], *, ratio: int, blocks: tuple[int, int], same_set: bool
 ) -> bool:
     """Whether a few ids pass every check of `_check_ids` (one pass over plain lists).
