@@ -110,6 +110,7 @@ class Config:
     max_moves_per_worker: int = 256
     max_moves_total: int = 4096
     checksum: bool = False
+    short_move_fast_path: bool = True
     # --- limits on sizes from the wire and per user ---
     max_layers: int = 1024
     max_host_blocks: int = 1 << 22

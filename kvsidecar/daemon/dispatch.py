@@ -13,11 +13,12 @@ from typing import Any
 
 from kvsidecar.daemon.access import Principal  # security
 from kvsidecar.daemon.cache_commands import CacheCommands
-from kvsidecar.daemon.edge import Dispatched, Edge, ReplyTo
+from kvsidecar.daemon.edge import Dispatched, ReplyTo
 from kvsidecar.daemon.jobs import prepare_fix
 from kvsidecar.daemon.metrics import MoveKind
 from kvsidecar.daemon.registration import Registration, _check_version
 from kvsidecar.daemon.registry import check_epoch
+from kvsidecar.daemon.short_moves import ShortMoves
 from kvsidecar.daemon.worker_events import WorkerEvents
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire.batch import MoveBatch
@@ -42,7 +43,7 @@ from kvsidecar.wire.protocol import (
 from kvsidecar.wire.pulls import PeerEvents, Publish, Pull, Pulled, TakePeerEvents
 
 
-class Dispatch(Edge, Registration, CacheCommands):
+class Dispatch(ShortMoves, Registration, CacheCommands):
     """Routes requests to their handlers (the base of `kvsidecar.daemon.server.Daemon`)."""
 
     # Owned and set by `Daemon`.

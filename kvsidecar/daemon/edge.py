@@ -194,6 +194,10 @@ class Edge:
     ) -> Dispatched:
         raise NotImplementedError  # the daemon's
 
+    def _serve_short(self, frames: _Frames) -> bool:
+        """Answer a short plain move in one step, or False (`kvsidecar.daemon.short_moves`)."""
+        return False  # the daemon's `ShortMoves` answers them
+
     async def _recv_loop(self) -> None:
         """Serve requests until cancelled.
 
@@ -241,7 +245,8 @@ class Edge:
                 self._executor.settle_finished()
             self._drained = False
             try:
-                self._on_message(frames)
+                if not self._serve_short(frames):
+                    self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
             if self._drained:

@@ -239,6 +239,14 @@ SETTINGS: tuple[Setting, ...] = (
         "Verify every move end to end with a CRC32 at source and destination (a Move may ask "
         "for it on its own).",
     ),
+    Setting(
+        "short_move_fast_path",
+        bool,
+        True,
+        "Answer short plain CPU moves (at most 16 ids, no layout fix or checksum) in one step "
+        "on the event loop, with the same checks and bookkeeping as every move; false sends "
+        "them through the general command path (docs/architecture.md).",
+    ),
     # --- limits on sizes from the wire and on what one user may hold (issue 13) ---
     Setting(
         "max_layers",
