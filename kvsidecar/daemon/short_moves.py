@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import msgspec
 import zmq
@@ -85,7 +84,7 @@ class ShortMoves(Edge, Commands):
         ):
             return None
         try:
-            req: Any = self._decoder.decode(header.buffer)
+            req = self._decoder.decode(header.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
         if type(req) is not Move or req.events is not None:
