@@ -261,7 +261,9 @@ async def test_short_move_on_blocks_of_a_running_move_applies_after_it() -> None
     1-block move into that very block, sent right behind it, must apply after it (arrival
     order), so the host block ends with the short move's bytes in its layer and the offload's in
     the others. Run at once on the loop, the short move would be overwritten by the offload.
-    A short move on blocks nobody touches runs meanwhile and is right too.
+    A short move on blocks nobody touches runs meanwhile and is right too. The short move's pair
+    plan is cached first, so that it meets the in-flight job on the short road
+    (`kvsidecar.daemon.short_moves`), which must leave it to the general path, and there.
     """
     blocks, layers = 256, 16
     shape = (2, blocks, 16, 8, 128)  # 64 KiB of K+V per block and layer: 256 MiB in all
@@ -269,7 +271,7 @@ async def test_short_move_on_blocks_of_a_running_move_applies_after_it() -> None
     caches = await asyncio.to_thread(allocate_kv_caches, layers, shape, torch.float16)
     for i, layer in enumerate(caches):  # every block of every layer tells itself apart
         layer.copy_(torch.arange(blocks, dtype=torch.float16).view(1, blocks, 1, 1, 1) + 300 * i)
-    async with run_daemon(config), AsyncSidecarClient(config.endpoint) as c:
+    async with run_daemon(config) as daemon, AsyncSidecarClient(config.endpoint) as c:
         await c.register_kv_caches(
             {f"l{i}": t for i, t in enumerate(caches)}, engine_id="e", host_blocks=blocks + 1
         )
@@ -277,6 +279,9 @@ async def test_short_move_on_blocks_of_a_running_move_applies_after_it() -> None
         ids, spare = host_ids[:blocks], host_ids[blocks:]
         device, host = BufferSetRef(c.worker), BufferSetRef(c.worker, "host")
         last, other = int(ids[-1]), layers - 1
+        for block in (7, 8):  # the first caches the pair's plan, the second takes the short road
+            await c.move(device, host, [block], spare, layers=[f"l{other}"])
+        assert daemon.short_moves_total == 1
         big = asyncio.ensure_future(c.offload(c.worker, list(range(blocks)), ids))
         short = asyncio.ensure_future(
             c.move(device, host, [5], [last], layers=[f"l{other}"])  # block 5 into the last

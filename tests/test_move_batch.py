@@ -21,7 +21,7 @@ from kvsidecar.client import (
     SidecarClient,
     SidecarError,
 )
-from kvsidecar.memory.shm import allocate_kv_caches
+from tests.support.caches import random_caches
 from tests.support.daemons import daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,11 +30,7 @@ LAYERS, BLOCKS, SHAPE = 3, 32, (32, 16, 4, 32)
 
 
 def _caches(seed: int) -> list[torch.Tensor]:
-    caches = allocate_kv_caches(LAYERS, SHAPE, torch.float16)
-    gen = torch.Generator().manual_seed(seed)
-    for t in caches:
-        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, generator=gen))
-    return caches
+    return random_caches(LAYERS, SHAPE, seed)
 
 
 def _apply(

@@ -6,13 +6,13 @@ same requests. The sequence mixes moves the fast path serves with moves it must 
 general path: out-of-range, repeated and overlapping ids, length mismatches, an unknown layer, a
 stale epoch, a forbidden engine, negative ids, more ids than a short move, a first move of a new
 layer list (no cached plan yet), and host-pool moves. Every reply, every byte of every cache, the
-daemon's totals, its move and command metrics and the engines' completions must agree. A move
-that conflicts with a job in flight must wait for it, as on the general path.
+daemon's totals, its move and command metrics and the engines' completions must agree. (A short
+move on blocks of a job in flight waits for it: tests/test_daemon_e2e.py,
+`test_short_move_on_blocks_of_a_running_move_applies_after_it`.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError
 from kvsidecar.daemon.server import Daemon
-from kvsidecar.memory.shm import allocate_kv_caches
+from tests.support.caches import random_caches
 from tests.support.daemons import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,11 +33,7 @@ ENGINES = ("A", "B", "C")
 
 
 def _caches(seed: int) -> list[torch.Tensor]:
-    caches = allocate_kv_caches(LAYERS, SHAPE, torch.float16)
-    gen = torch.Generator().manual_seed(seed)
-    for t in caches:
-        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, generator=gen))
-    return caches
+    return random_caches(LAYERS, SHAPE, seed)
 
 
 def _requests(seed: int) -> list[tuple[str, str, Any, Any, dict[str, Any]]]:
@@ -185,41 +181,6 @@ async def test_short_moves_answer_exactly_as_the_general_path() -> None:
     assert any("moves_total" in line for line in fast["metrics"])
     assert fast["completions"] == slow["completions"]
     assert any(acc[1] for per in fast["completions"].values() for acc in per.values())
-
-
-async def test_a_short_move_on_blocks_of_a_running_move_waits_for_it() -> None:
-    """A cached plain pair, but a job in flight writes the block: the general path orders it.
-
-    The offload writes host block ``last`` late in its copy; the 1-block move into that block,
-    sent right behind it (its pair plan cached by an earlier move), must apply after it.
-    """
-    blocks, layers = 256, 16
-    shape = (2, blocks, 16, 8, 128)  # 64 KiB of K+V per block and layer: 256 MiB in all
-    config = make_config(host_pool_bytes=(256 << 20) + (1 << 20), copy_threads=2)
-    caches = await asyncio.to_thread(allocate_kv_caches, layers, shape, torch.float16)
-    for i, layer in enumerate(caches):  # every block of every layer tells itself apart
-        layer.copy_(torch.arange(blocks, dtype=torch.float16).view(1, blocks, 1, 1, 1) + 300 * i)
-    other = layers - 1
-    async with run_daemon(config) as daemon, AsyncSidecarClient(config.endpoint) as c:
-        await c.register_kv_caches(
-            {f"l{i}": t for i, t in enumerate(caches)}, engine_id="e", host_blocks=blocks + 1
-        )
-        host_ids = np.asarray(await c.host_alloc("e", blocks + 1))
-        ids, spare = host_ids[:blocks], host_ids[blocks:]
-        device, host = BufferSetRef(c.worker), BufferSetRef(c.worker, "host")
-        last = int(ids[-1])
-        await c.move(device, host, [7], spare, layers=[f"l{other}"])  # caches the pair's plan
-        before = daemon.short_moves_total
-        await c.move(device, host, [8], spare, layers=[f"l{other}"])
-        assert daemon.short_moves_total == before + 1  # served by the fast path
-        big = asyncio.ensure_future(c.offload(c.worker, list(range(blocks)), ids))
-        await asyncio.sleep(0)  # the offload is sent first
-        short = asyncio.ensure_future(c.move(device, host, [5], [last], layers=[f"l{other}"]))
-        await asyncio.gather(big, short)
-        await c.move(host, device, [last], [0])  # read the host block back into block 0
-    for i, layer in enumerate(caches):
-        want = (5 if i == other else blocks - 1) + 300 * i
-        assert torch.all(layer[:, 0] == want), f"layer {i}: the short move lost to the offload"
 
 
 async def test_checksummed_moves_take_the_general_path() -> None:
