@@ -310,7 +310,7 @@ class Edge:
             header = body[0].buffer
             size = len(body[0])  # a frame's len() is its size, without a memoryview
             total = sum(map(len, body))
-            if size > self.config.max_header_bytes or total > self.config.max_message_bytes:
+            if self._too_large(size, total):
                 request_id = self._peek_id(header) if size <= (1 << 16) else 0
                 raise SidecarError(
                     "too_large",
@@ -371,6 +371,11 @@ class Edge:
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _too_large(self, header_bytes: int, total_bytes: int) -> bool:
+        """Whether a request's header or whole size is over the limits (``too_large``)."""
+        config = self.config
+        return header_bytes > config.max_header_bytes or total_bytes > config.max_message_bytes
 
     def _principal(self, ident: bytes, frame: zmq.Frame) -> Principal:
         try:

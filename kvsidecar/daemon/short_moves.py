@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
 import zmq
 
 from kvsidecar.core import copier, mover
@@ -79,32 +78,29 @@ class ShortMoves(Edge, Commands):
             return None
         started = time.perf_counter()
         header = frames[1]
-        if len(header) > config.max_header_bytes or (
-            len(header) + len(frames[2]) + len(frames[3]) > config.max_message_bytes
-        ):
-            return None
-        try:
-            req = self._decoder.decode(header.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        if type(req) is not Move or req.events is not None:
-            return None
-        if req.checksum or (req.checksum is None and config.checksum):
+        if self._too_large(len(header), len(header) + len(frames[2]) + len(frames[3])):
             return None
         ident = frames[0].bytes
         registry = self.registry
         try:
-            authorize(self.access, self._principal(ident, header), req)
+            req = self._decode(header.buffer)
+            if type(req) is not Move or req.events is not None:
+                return None
+            if req.checksum or (req.checksum is None and config.checksum):
+                return None
             src_ids = self._ids(frames[2].buffer, req.ids_dtype, "source")
             dst_ids = self._ids(frames[3].buffer, req.ids_dtype, "destination")
+            # Long moves leave here before the sender's rights and the buffers are looked up,
+            # which the general path then does once.
+            if src_ids.size > mover.SMALL_MOVE_IDS or dst_ids.size > mover.SMALL_MOVE_IDS:
+                return None
+            authorize(self.access, self._principal(ident, header), req)
             src = registry.buffer_set(req.src)
             dst = registry.buffer_set(req.dst)
         except SidecarError:
             return None
-        if src_ids.size > mover.SMALL_MOVE_IDS or dst_ids.size > mover.SMALL_MOVE_IDS:
-            return None
         pair = plain_pair(registry, src, dst, req.layers)
-        if pair is None or pair.cpu_groups is None:
+        if pair is None or pair.cpu_groups is None:  # `plain_pair` has groups; for the typing
             return None
         src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
         blocks = (pair.src_blocks, pair.dst_blocks)
