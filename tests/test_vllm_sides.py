@@ -3,8 +3,8 @@
 `kvsidecar.integrations.vllm.worker.WorkerSide` and `scheduler.SchedulerSide` take plain values,
 so their contracts with vLLM (tests/test_vllm.py runs them inside real engines) can also be
 driven step by step here: what a load that the daemon cannot finish turns into, what a dead
-daemon does to every kind of step, and how the scheduler plans stores and refuses pulls it could
-only get wrong.
+daemon does to every kind of step, what one that answers late does to the scheduler, and how
+the scheduler plans stores and refuses pulls it could only get wrong.
 """
 
 from __future__ import annotations
@@ -292,3 +292,69 @@ def _daemon_id(daemon: DaemonProcess) -> str:
     with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
         assert c.daemon is not None
         return c.daemon.daemon_id
+
+
+def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
+    daemon: DaemonProcess,
+) -> None:
+    """A call past ``lookup_timeout_s`` is a miss, then no call for ``retry_s``, then calls again.
+
+    A stopped daemon is one that answers late (a starved node): its lookup is a miss, and a
+    prefill that finishes within ``retry_s`` is not published (its decode engine recomputes);
+    neither holds up the scheduler beyond one timeout. Once ``retry_s`` has passed, the same
+    scheduler looks up and publishes again.
+    """
+    prod, _ = worker(daemon, "prod")
+    cons, _ = worker(daemon, "cons")
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint, lookup_timeout_s=0.3, retry_s=1.0)
+    side = SchedulerSide(
+        settings,
+        role="kv_both",
+        engine_id="prod",
+        fingerprint="fp",
+        block_size=4,
+        tp_size=1,
+        prefix_cache=True,
+    )
+    side.start()
+    decode = {"do_remote_decode": True}
+
+    def finish(rid: str) -> tuple[bool, dict[str, Any] | None]:
+        req = Req(rid, [], num_tokens=8, kv_transfer_params=dict(decode))
+        return side.request_finished(req, [1, 2], num_computed_tokens=8, capped=True)
+
+    try:
+        held, params = finish("before")  # the control: a daemon that answers
+        assert held and params is not None and params["remote_block_ids"] == [1, 2]
+        lookup = Req("l", [bytes([i]) * 32 for i in range(3)], num_tokens=13)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert side.lookup(lookup, 0) == (0, False)  # timed out: a miss
+            assert 0.25 < time.monotonic() - started < 1.0
+            started = time.monotonic()
+            assert finish("meanwhile") == (False, None)  # away: not even tried
+            assert time.monotonic() - started < 0.1
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        time.sleep(settings.retry_s)
+        held, params = finish("after")
+        assert held and params is not None
+        assert side.lookup(lookup, 0) == (0, False)  # answered now: nothing is stored under them
+        assert side.conn.get() is not None  # and the daemon is not away after it
+        # A decode engine pulls both: "after" is read, "meanwhile" was never published.
+        pulls = [
+            PullSpec(f"{rid}-d", "prod", rid, "", _daemon_id(daemon), [1, 2], local)
+            for rid, local in (("after", [3, 4]), ("meanwhile", [6, 7]))
+        ]
+        cons.start_loads(StepPlan(1, "fp", pulls=pulls))
+        deadline = time.monotonic() + 10
+        received: set[str] = set()
+        while len(received) < 2 and time.monotonic() < deadline:
+            received |= cons.finished(idle=True)[1]
+        assert received == {"after-d", "meanwhile-d"}
+        assert cons.take_load_errors() == {6, 7}
+    finally:
+        side.close()
+        prod.close()
+        cons.close()
