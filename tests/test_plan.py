@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -491,6 +492,12 @@ def test_missing_layer_rank_and_heads_raise_plan_error() -> None:
     one_rank = PeerEngine(**{**_fields(full), "workers": full.workers[:1]})
     with pytest.raises(PlanError, match="no rank tp1"):
         plan(one_rank, rank=1)
+    # A handshake whose ranks disagree on the layers (rank 1 lacks one that rank 0 has): a typed
+    # refusal of the pull, not an exception out of the planner.
+    lacking = msgspec.structs.replace(full.workers[1], layers=["l0", "other"])
+    uneven = PeerEngine(**{**_fields(full), "workers": [full.workers[0], lacking]})
+    with pytest.raises(PlanError, match=r"tp1\.pp0 has no layer 'l1'"):
+        plan(uneven, rank=1)
     # The consumer believes in 4 heads; the producer's ranks hold 4 each (8 in all).
     wide = Side(2, 8, 4).engine("producer")
     narrow = Side(1, 4, 4).engine("consumer")
