@@ -498,6 +498,25 @@ def test_missing_layer_rank_and_heads_raise_plan_error() -> None:
     uneven = PeerEngine(**{**_fields(full), "workers": [full.workers[0], lacking]})
     with pytest.raises(PlanError, match=r"tp1\.pp0 has no layer 'l1'"):
         plan(uneven, rank=1)
+    # Lists of one rank that disagree in length (a descriptor or a NIXL address short).
+    for short in (
+        msgspec.structs.replace(full.workers[1], descriptors=full.workers[1].descriptors[:1]),
+        msgspec.structs.replace(full.workers[1], layer_addrs=[4096]),
+    ):
+        ragged = PeerEngine(**{**_fields(full), "workers": [full.workers[0], short]})
+        with pytest.raises(PlanError, match=r"rank tp1\.pp0 with 2 layers"):
+            plan(ragged, rank=1)
+    # A descriptor past the first that no buffer can have (the first is checked with the
+    # topology): refused when the planner first uses it.
+    second = full.workers[1].descriptors[1]
+    for bad in ({"dtype": "bogus"}, {"num_heads": 0}, {"block_size": 0}, {"num_blocks": -1}):
+        rank1 = msgspec.structs.replace(
+            full.workers[1],
+            descriptors=[full.workers[1].descriptors[0], msgspec.structs.replace(second, **bad)],
+        )
+        odd = PeerEngine(**{**_fields(full), "workers": [full.workers[0], rank1]})
+        with pytest.raises(PlanError, match="layer 'l1': "):
+            plan(odd, rank=1)
     # The consumer believes in 4 heads; the producer's ranks hold 4 each (8 in all).
     wide = Side(2, 8, 4).engine("producer")
     narrow = Side(1, 4, 4).engine("consumer")

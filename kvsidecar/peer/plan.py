@@ -279,6 +279,15 @@ class _RemoteRanks:
         self.engine_id = remote.engine_id
         self.by_pp: dict[int, dict[int, PeerWorker]] = {}
         for rw in remote.workers:
+            # The handshake is another daemon's word: a rank whose lists disagree in length
+            # would index past them later (on the NIXL plane, ``layer_addrs`` by layer).
+            n = len(rw.layers)
+            if len(rw.descriptors) != n or len(rw.layer_addrs) not in (0, n):
+                raise PlanError(
+                    f"remote engine {self.engine_id!r} describes rank tp{rw.tp_rank}.pp"
+                    f"{rw.pp_rank} with {n} layers, {len(rw.descriptors)} descriptors and "
+                    f"{len(rw.layer_addrs)} addresses"
+                )
             self.by_pp.setdefault(rw.pp_rank, {})[rw.tp_rank] = rw
         self.layer_home: dict[str, int] = {}
         for pp, ranks in self.by_pp.items():
@@ -400,7 +409,10 @@ def _source_runs(
     per distinct pair, not once per layer.
     """
     _, roff, length, loff = source
-    rgeo, lgeo = geometry(rdesc), geometry(ldesc)
+    try:  # the remote descriptor is another daemon's word, checked here on its first use
+        rgeo, lgeo = geometry(rdesc), geometry(ldesc)
+    except layout.LayoutError as exc:
+        raise PlanError(f"layer {name!r}: {exc}") from None
     _check_ids(blocks.remote_ids, rgeo, "remote")
     if len(rgeo.bases) != len(lgeo.bases):
         raise PlanError(f"layer {name!r}: K/V regions differ between the engines")
