@@ -93,9 +93,10 @@ class Req:
     kv_transfer_params: dict[str, Any] | None = None
 
 
-def scheduler(**kw: Any) -> SchedulerSide:
-    """A scheduler half with no daemon at all (every lookup a miss)."""
-    settings = ConnectorSettings(endpoint="ipc:///nonexistent/x.sock", connect_timeout_s=0.2)
+def scheduler(settings: ConnectorSettings | None = None, **kw: Any) -> SchedulerSide:
+    """A scheduler half; with no ``settings``, one with no daemon at all (every lookup a miss)."""
+    if settings is None:
+        settings = ConnectorSettings(endpoint="ipc:///nonexistent/x.sock", connect_timeout_s=0.2)
     args: dict[str, Any] = {
         "role": "kv_both",
         "engine_id": "e",
@@ -307,20 +308,11 @@ def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
     prod, _ = worker(daemon, "prod")
     cons, _ = worker(daemon, "cons")
     settings = ConnectorSettings(endpoint=daemon.config.endpoint, lookup_timeout_s=0.3, retry_s=1.0)
-    side = SchedulerSide(
-        settings,
-        role="kv_both",
-        engine_id="prod",
-        fingerprint="fp",
-        block_size=4,
-        tp_size=1,
-        prefix_cache=True,
-    )
+    side = scheduler(settings, engine_id="prod")
     side.start()
-    decode = {"do_remote_decode": True}
 
     def finish(rid: str) -> tuple[bool, dict[str, Any] | None]:
-        req = Req(rid, [], num_tokens=8, kv_transfer_params=dict(decode))
+        req = Req(rid, [], num_tokens=8, kv_transfer_params={"do_remote_decode": True})
         return side.request_finished(req, [1, 2], num_computed_tokens=8, capped=True)
 
     try:
