@@ -198,3 +198,26 @@ async def test_checksummed_moves_take_the_general_path() -> None:
         assert daemon.short_moves_total == 0
     for t in caches:
         assert torch.equal(t[10:13].view(torch.int16), t[0:3].view(torch.int16))
+
+
+async def test_id_frames_decide_the_path_before_the_header_is_decoded() -> None:
+    """16 int64 ids a side (the most a short move's frames hold) take the fast path; longer
+    frames leave it before their header is decoded, 17 int32 ids after; all three copy right."""
+    config = make_config()
+    caches = _caches(3)
+    l0 = caches[0].view(torch.int16)
+    async with run_daemon(config) as daemon, AsyncSidecarClient(config.endpoint) as c:
+        await c.register_kv_caches(
+            {f"l{i}": t for i, t in enumerate(caches)}, engine_id="e", arrangement="split"
+        )
+        me = BufferSetRef(c.worker)
+        await c.move(me, me, [0], [39], layers=["l0"])  # caches this layer list's plan
+        cases = [(0, 16, "<i8", 1), (1, 17, "<i4", 0), (2, 17, "<i8", 0)]
+        for first, n, dtype, short in cases:
+            before = daemon.short_moves_total
+            src = np.arange(first, first + n, dtype=dtype)
+            dst = np.arange(20, 20 + n, dtype=dtype)
+            reply = await c.move(me, me, src, dst, layers=["l0"])
+            assert reply.blocks == n
+            assert daemon.short_moves_total - before == short, (n, dtype)
+            assert torch.equal(l0[20 : 20 + n], l0[first : first + n]), (n, dtype)

@@ -43,6 +43,9 @@ log = logging.getLogger("kvsidecar.daemon")
 _MOVE = str(Move.__struct_config__.tag)
 """The command label of a move (as `Edge._on_message` derives it)."""
 
+_MAX_SHORT_ID_BYTES = 2 * mover.SMALL_MOVE_IDS * 8
+"""The most both id frames of a short move can hold (int64 ids; int32 ones take half)."""
+
 
 class ShortMoves(Edge, Commands):
     """The fast path for short plain moves (a `Daemon` mixin; see the module doc)."""
@@ -78,7 +81,11 @@ class ShortMoves(Edge, Commands):
             return None
         started = time.perf_counter()
         header = frames[1]
-        if self._too_large(len(header), len(header) + len(frames[2]) + len(frames[3])):
+        id_bytes = len(frames[2]) + len(frames[3])
+        # Longer than any short move's ids even as int32: leave before decoding the header,
+        # which the general path then does once (a cold decode and two id views are ~20 µs of
+        # a 16 MiB move's fixed cost, docs/benchmarks.md round 10).
+        if id_bytes > _MAX_SHORT_ID_BYTES or self._too_large(len(header), len(header) + id_bytes):
             return None
         ident = frames[0].bytes
         registry = self.registry
