@@ -82,9 +82,9 @@ class ShortMoves(Edge, Commands):
         started = time.perf_counter()
         header = frames[1]
         id_bytes = len(frames[2]) + len(frames[3])
-        # Longer than any short move's ids even as int32: leave before decoding the header,
-        # which the general path then does once (a cold decode and two id views are ~20 µs of
-        # a 16 MiB move's fixed cost, docs/benchmarks.md round 10).
+        # More bytes of ids than a short move's, even as int64: leave before decoding the
+        # header, which the general path then does once (decoding twice cost a 16 MiB move's
+        # loop ~28 µs, docs/benchmarks.md round 10).
         if id_bytes > _MAX_SHORT_ID_BYTES or self._too_large(len(header), len(header) + id_bytes):
             return None
         ident = frames[0].bytes
