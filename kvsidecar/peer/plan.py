@@ -358,19 +358,15 @@ Runs = tuple[I64, I64, I64]
 class _Reads:
     """The rows gathered for one remote worker until they become its `ReadPlan`."""
 
-    layers: list[str] = field(default_factory=list)
     rows: list[tuple[int, int, Runs]] = field(default_factory=list)
     """(remote layer index, local layer index, runs), in the order they were added."""
-    index: dict[str, int] = field(default_factory=dict)
-    """Layer name -> its place in ``layers`` (a list search per row added up over many layers)."""
+    layers: dict[str, int] = field(default_factory=dict)
+    """Remote layer name -> its index, in the order first added (a dict: a list search per row
+    added up over many layers)."""
 
     def add(self, name: str, local_index: int, runs: Runs) -> None:
         """Add coalesced runs of layer ``name`` (kept as they are: arrays are built once)."""
-        at = self.index.get(name)
-        if at is None:
-            at = self.index[name] = len(self.layers)
-            self.layers.append(name)
-        self.rows.append((at, local_index, runs))
+        self.rows.append((self.layers.setdefault(name, len(self.layers)), local_index, runs))
 
     def plan(self, tp: int, pp: int, local_layers: list[str]) -> ReadPlan:
         """Return the read of remote worker ``tp``, ``pp`` with every row gathered."""
@@ -383,7 +379,7 @@ class _Reads:
         return ReadPlan(
             remote_tp_rank=tp,
             remote_pp_rank=pp,
-            remote_layers=self.layers,
+            remote_layers=list(self.layers),
             local_layers=list(local_layers),
             ranges=np.ascontiguousarray(np.stack([remote_index, starts_r, lengths], 1)),
             dest=np.ascontiguousarray(np.stack([local_index, starts_l], 1)),
