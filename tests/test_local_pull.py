@@ -73,6 +73,58 @@ def test_published_blocks_pulled_locally_and_the_producer_told(daemon: DaemonPro
         assert torch.equal(d.caches[0][:, 2], before[0][:, 2])  # type: ignore[attr-defined]
 
 
+def test_a_local_pull_reads_only_the_blocks_published_for_its_prompt(
+    daemon: DaemonProcess,
+) -> None:
+    """A consumer names its request, the producer's blocks and its prompt's digest: the daemon
+    serves exactly the published blocks of a request published for that prompt.
+
+    Each refused pull fails its request (every local block invalid) and writes nothing; the
+    allowed one copies the published blocks. Refused: blocks beside the published ones (another
+    user's prompt could be in them), a prompt digest other than the published one, none where
+    one was published, and a request whose digest matches but whose blocks run past it.
+    """
+    shape = (2, 16, 4, 2, 8)
+    with (
+        engine(daemon.config.endpoint, "prod-d", shape, "kv_first") as p,
+        engine(daemon.config.endpoint, "cons-d", shape, "kv_first") as d,
+    ):
+        p.publish("prod-d", "mine", [4, 5], prompt_digest="a" * 64)
+        before = [t.clone() for t in d.caches]  # type: ignore[attr-defined]
+        for remote, digest in (
+            ([4, 5, 6], "a" * 64),  # block 6 was not published
+            ([6], "a" * 64),
+            ([4, 5], "b" * 64),  # another prompt
+            ([4, 5], ""),
+        ):
+            local = list(range(9, 9 + len(remote)))
+            out = d.submit_pull(
+                "cons-d",
+                "",
+                "prod-d",
+                {"x": (remote, local)},
+                tp_rank=0,
+                remote_request_ids={"x": "mine"},
+                prompt_digests={"x": digest},
+            ).result()
+            assert out.failed == ["x"] and out.invalid_block_ids == local, (remote, digest, out)
+            assert out.nbytes == 0 and "refused by the producer" in out.error
+            for t, old in zip(d.caches, before, strict=True):  # type: ignore[attr-defined]
+                assert torch.equal(t, old)
+        out = d.submit_pull(
+            "cons-d",
+            "",
+            "prod-d",
+            {"x": ([5, 4], [9, 10])},
+            tp_rank=0,
+            remote_request_ids={"x": "mine"},
+            prompt_digests={"x": "a" * 64},
+        ).result()
+        assert out.finished == ["x"], out
+        for src, dst in zip(p.caches, d.caches, strict=True):  # type: ignore[attr-defined]
+            assert torch.equal(dst[:, 9], src[:, 5]) and torch.equal(dst[:, 10], src[:, 4])
+
+
 def test_local_pull_reblocks_vllm_cpu_32_into_64(daemon: DaemonProcess) -> None:
     heads, c = 2, 8
     with (

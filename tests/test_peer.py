@@ -249,3 +249,44 @@ def test_lease_expiry_releases_unread_blocks(cluster: Cluster) -> None:
         )
         assert pulled.failed == ["late"] and "expired" in pulled.error
         assert pulled.invalid_block_ids == [6, 7, 8]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_pull_reads_only_the_blocks_published_for_its_prompt(
+    cluster: Cluster, plane: str, tmp_path: Path
+) -> None:
+    """The producer's daemon answers each request of a pull's handshake: on every plane a
+    request is read only if it was published for the same prompt digest, and only its published
+    blocks. A refused request fails without a byte read; the others of the pull go on."""
+    requests, _ = _ids("same_tp")
+    ok_id = next(iter(requests))
+    remote, local = requests[ok_id]
+    spare = [b for b in range(BASE["blocks"]) if b not in remote][0]
+    with (
+        SidecarClient(cluster.prod.config.endpoint) as pc,
+        SidecarClient(cluster.cons.config.endpoint) as cc,
+    ):
+        cluster.cw.refill()
+        rid = f"{plane}-digest"
+        pc.publish("same_tp-p", rid, remote, prompt_digest="p" * 64)
+        pulled = cc.pull(
+            "same_tp-c",
+            cluster.prod.config.peer_endpoint,
+            "same_tp-p",
+            {
+                ok_id: (remote, local),
+                "beside": ([*remote[:-1], spare], [0, 1, 2, 6]),
+                "other-prompt": (remote, [7, 8, 9, 10]),
+                "no-prompt": (remote, [12, 13, 14, 15]),
+            },
+            remote_request_ids=dict.fromkeys((ok_id, "beside", "other-prompt", "no-prompt"), rid),
+            prompt_digests={ok_id: "p" * 64, "beside": "p" * 64, "other-prompt": "q" * 64},
+            plane=plane,
+        )
+        assert pulled.finished == [ok_id], pulled.error
+        assert sorted(pulled.failed) == ["beside", "no-prompt", "other-prompt"]
+        assert sorted(pulled.invalid_block_ids) == [0, 1, 2, 6, 7, 8, 9, 10, 12, 13, 14, 15]
+        assert pulled.nbytes > 0
+        _check(cluster, "same_tp", {ok_id: (remote, local)}, tmp_path)
+        cc.take_peer_events()
+        pc.take_peer_events()

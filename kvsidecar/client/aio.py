@@ -220,6 +220,7 @@ class AsyncSidecarClient(_AsyncTransport):
         remote_request_ids: Mapping[str, str] | None = None,
         plane: Literal["", "zmq", "nixl"] = "",
         timeout: float | None = None,
+        prompt_digests: Mapping[str, str] | None = None,
     ) -> Pulled:
         """Pull requests' blocks from another node's daemon; see `SidecarClient.pull`."""
         call = self._pull(
@@ -234,6 +235,7 @@ class AsyncSidecarClient(_AsyncTransport):
             remote_request_ids=remote_request_ids,
             plane=plane,
             timeout=timeout,
+            prompt_digests=prompt_digests,
         )
         return await self._run(call)
 
@@ -245,9 +247,19 @@ class AsyncSidecarClient(_AsyncTransport):
         *,
         lease_s: float = 0.0,
         timeout: float | None = None,
+        prompt_digest: str = "",
     ) -> None:
         """Hold a request's blocks for remote readers; see `SidecarClient.publish`."""
-        await self._run(self._publish(engine_id, request_id, block_ids, lease_s, timeout))
+        await self._run(
+            self._publish(
+                engine_id,
+                request_id,
+                block_ids,
+                lease_s=lease_s,
+                timeout=timeout,
+                prompt_digest=prompt_digest,
+            )
+        )
 
     async def take_peer_events(
         self, engine_id: str = "", *, timeout: float | None = None

@@ -85,7 +85,9 @@ def _alloc_ids(reply: HostAllocated, data: list[memoryview]) -> IdArray:
 
 
 def _pull_frames(
-    requests: Mapping[str, tuple[Ids, Ids]], remote_request_ids: Mapping[str, str] | None
+    requests: Mapping[str, tuple[Ids, Ids]],
+    remote_request_ids: Mapping[str, str] | None,
+    prompt_digests: Mapping[str, str] | None = None,
 ) -> tuple[list[PullItem], tuple[IdArray, IdArray]]:
     """Return a pull's items, and its remote and local id frames (every request's ids in turn)."""
     items = []
@@ -96,7 +98,8 @@ def _pull_frames(
         remote_parts.append(r)
         local_parts.append(loc)
         rid = (remote_request_ids or {}).get(request_id, "")
-        items.append(PullItem(request_id, int(r.size), int(loc.size), rid))
+        digest = (prompt_digests or {}).get(request_id, "")
+        items.append(PullItem(request_id, int(r.size), int(loc.size), rid, digest))
     empty = np.zeros(0, np.int64)
     frames = (
         np.concatenate(remote_parts) if remote_parts else empty,
@@ -312,8 +315,9 @@ class _Requests(_CacheRequests):
         remote_request_ids: Mapping[str, str] | None,
         plane: Literal["", "zmq", "nixl"],
         timeout: float | None,
+        prompt_digests: Mapping[str, str] | None = None,
     ) -> _Call[Pulled, Pulled]:
-        items, frames = _pull_frames(requests, remote_request_ids)
+        items, frames = _pull_frames(requests, remote_request_ids, prompt_digests)
         req = Pull(
             id=self._codec.next_id(),
             engine_id=engine_id,
@@ -332,7 +336,14 @@ class _Requests(_CacheRequests):
         return _Call(req, Pulled, _reply, frames, timeout)
 
     def _publish(
-        self, engine_id: str, request_id: str, ids: Ids, lease_s: float, timeout: float | None
+        self,
+        engine_id: str,
+        request_id: str,
+        ids: Ids,
+        *,
+        lease_s: float,
+        timeout: float | None,
+        prompt_digest: str = "",
     ) -> _Call[Ok, None]:
         arr = _as_id_array(ids)
         req = Publish(
@@ -341,6 +352,7 @@ class _Requests(_CacheRequests):
             request_id=request_id,
             lease_s=lease_s,
             ids_dtype=_dtype_of(arr),
+            prompt_digest=prompt_digest,
         )
         return _Call(req, Ok, _nothing, (arr,), timeout)
 

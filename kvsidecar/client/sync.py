@@ -230,6 +230,7 @@ class SidecarClient(_BlockingTransport):
         remote_request_ids: Mapping[str, str] | None = None,
         plane: Literal["", "zmq", "nixl"] = "",
         timeout: float | None = None,
+        prompt_digests: Mapping[str, str] | None = None,
     ) -> Pulled:
         """Pull requests' blocks from another node's daemon: ``{request_id: (remote, local)}``.
 
@@ -250,6 +251,7 @@ class SidecarClient(_BlockingTransport):
             remote_request_ids=remote_request_ids,
             plane=plane,
             timeout=timeout,
+            prompt_digests=prompt_digests,
         )
         return self._run(call)
 
@@ -261,9 +263,19 @@ class SidecarClient(_BlockingTransport):
         *,
         lease_s: float = 0.0,
         timeout: float | None = None,
+        prompt_digest: str = "",
     ) -> None:
         """Hold a request's blocks for remote readers (producer side; see `Publish`)."""
-        self._run(self._publish(engine_id, request_id, block_ids, lease_s, timeout))
+        self._run(
+            self._publish(
+                engine_id,
+                request_id,
+                block_ids,
+                lease_s=lease_s,
+                timeout=timeout,
+                prompt_digest=prompt_digest,
+            )
+        )
 
     def take_peer_events(
         self, engine_id: str = "", *, timeout: float | None = None
@@ -400,6 +412,7 @@ class SidecarClient(_BlockingTransport):
         remote_request_ids: Mapping[str, str] | None = None,
         plane: Literal["", "zmq", "nixl"] = "",
         timeout: float | None = None,
+        prompt_digests: Mapping[str, str] | None = None,
     ) -> Pending[Pulled]:
         """Start a `pull` and return at once (``remote_endpoint`` "": from this node's daemon)."""
         call = self._pull(
@@ -414,6 +427,7 @@ class SidecarClient(_BlockingTransport):
             remote_request_ids=remote_request_ids,
             plane=plane,
             timeout=timeout,
+            prompt_digests=prompt_digests,
         )
         return self._submit(call)
 

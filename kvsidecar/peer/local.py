@@ -33,7 +33,7 @@ from kvsidecar.peer.link import Dest, PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.messages import Notify, PeerError, PeerHello, PeerReply, PeerRequest
 from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
-from kvsidecar.peer.zmq_plane import as_bytes
+from kvsidecar.peer.zmq_plane import as_bytes, check_ranges
 
 if TYPE_CHECKING:
     from kvsidecar.peer.service import PeerService
@@ -97,16 +97,24 @@ class LocalPlane(DataPlane):
         self._executor = executor
 
     async def read(self, target: ReadTarget, plan: ReadPlan, deadline: float) -> int:
-        """Copy every range of ``plan`` by ``deadline``; refuse requests that are not published."""
-        refused = self._service.producer.readable(target.engine_id, target.request_id)
-        if refused is not None:
-            raise PeerRefused(refused)
+        """Copy every range of ``plan`` by ``deadline``.
+
+        The same checks as a read served to another node (`kvsidecar.peer.zmq_plane.serve_read`):
+        the request is published and within its lease, and every range lies inside the blocks it
+        was published with.
+        """
+        blocks = self._service.producer.readable(target.engine_id, target.request_id)
+        if isinstance(blocks, PeerError):
+            raise PeerRefused(blocks)
         worker = self._registry.rank_worker(
             target.engine_id, plan.remote_tp_rank, plan.remote_pp_rank
         )
         if worker is None:
             raise PeerGone(f"producer rank tp{plan.remote_tp_rank} of {target.engine_id} is gone")
         sources = [worker.device.layers[name] for name in plan.remote_layers]
+        why = check_ranges(plan.ranges, sources, blocks) if len(plan.ranges) else ""
+        if why:
+            raise PeerRefused(PeerError(id=0, code="out_of_range", message=why))
         rows = plan.ranges.tolist()
         dests = plan.dest.tolist()
 

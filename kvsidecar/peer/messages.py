@@ -25,8 +25,9 @@ import msgspec
 from kvsidecar.core.topology import EngineTransferInfo
 from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
 
-PEER_PROTOCOL_VERSION = 2
-"""Bumped on any incompatible change of the messages below."""
+PEER_PROTOCOL_VERSION = 3
+"""Bumped on any incompatible change of the messages below (3: a handshake names the requests
+it will read, and the producer answers whether each may be read)."""
 
 PeerErrorCode = Literal[
     "version_mismatch",
@@ -87,12 +88,28 @@ class _PeerRequest(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     id: int
 
 
+class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request a pull is about to read, as the producer must allow it (`PeerHello.claims`).
+
+    ``block_ids`` are the producer's blocks the pull reads; ``prompt_digest`` is the digest of
+    the prompt the consumer holds (`kvsidecar.wire.pulls.PullItem.prompt_digest`). The producer
+    allows the read only when the request is published and within its lease, every block is one
+    it published for that request, and the digest equals the one it was published with.
+    """
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    prompt_digest: str = ""
+
+
 class PeerHello(_PeerRequest, tag="peer_hello", frozen=True):
-    """Handshake: versions, who asks, and whether it wants NIXL metadata."""
+    """Handshake: versions, who asks, whether it wants NIXL metadata, what it will read."""
 
     protocol_version: int
     daemon_id: str
     want_nixl: bool = False
+    claims: list[Claim] = []
 
 
 class ReadBlocks(_PeerRequest, tag="read", frozen=True):
@@ -127,8 +144,18 @@ class _PeerReply(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     id: int
 
 
+class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The producer's answer to one `Claim`: ``refused`` is why it may not be read ("": it may)."""
+
+    request_id: str
+    refused: str = ""
+
+
 class PeerWelcome(_PeerReply, tag="peer_welcome", frozen=True):
-    """Handshake reply: versions, engines, the data planes offered, NIXL agent metadata."""
+    """Handshake reply: versions, engines, data planes, NIXL agent metadata, claims' verdicts.
+
+    ``verdicts`` answer the hello's claims one for one, in their order.
+    """
 
     protocol_version: int
     daemon_id: str
@@ -136,6 +163,7 @@ class PeerWelcome(_PeerReply, tag="peer_welcome", frozen=True):
     planes: list[str]
     nixl_agent: str = ""
     nixl_metadata: bytes = b""
+    verdicts: list[Verdict] = []
 
 
 class ReadData(_PeerReply, tag="read_data", frozen=True):

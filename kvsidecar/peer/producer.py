@@ -26,7 +26,7 @@ import zmq
 
 from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.registry import Engine, Registry
-from kvsidecar.peer.messages import Notify, PeerError, ReadBlocks
+from kvsidecar.peer.messages import Claim, Notify, PeerError, ReadBlocks, Verdict
 from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read
 from kvsidecar.wire.errors import SidecarError
@@ -47,6 +47,8 @@ lost notification does, and a peer sending notifications for made-up requests ca
 daemon's memory without bound."""
 _MAX_READERS = 1024
 """Readers counted per producer rank of one request (more than any real TP x DCP fan-in)."""
+MAX_DIGEST = 128
+"""Longest ``prompt_digest`` accepted (the vLLM connector's are 64 hex digits)."""
 
 
 @dataclass(eq=False)
@@ -59,6 +61,8 @@ class _Held:
     readers: dict[tuple[int, int], set[str]] = field(default_factory=dict)
     blocks: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """The published block ids, sorted and unique: the only blocks a read may reach."""
+    digest: str = ""
+    """The prompt the blocks were published for (`Publish.prompt_digest`)."""
 
 
 class Producer:
@@ -85,6 +89,8 @@ class Producer:
         engine = self.registry.engine(req.engine_id)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _num_blocks(engine)):
             raise SidecarError("out_of_range", "published block ids outside the engine's cache")
+        if len(req.prompt_digest) > MAX_DIGEST:
+            raise SidecarError("invalid_message", f"prompt_digest longer than {MAX_DIGEST}")
         lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
         key = (req.engine_id, req.request_id)
         held = self._held.setdefault(key, _Held(deadline=0.0, published=True))
@@ -93,6 +99,7 @@ class Producer:
         held.published = True
         held.deadline = time.monotonic() + lease
         held.blocks = np.union1d(held.blocks, ids.astype(np.int64))
+        held.digest = req.prompt_digest
         self._expired.pop(key, None)
         self._check_sent(key)
         return Ok(id=req.id)
@@ -157,19 +164,41 @@ class Producer:
         ids = frozenset({key[1]})
         self.emit(PeerCompletion(engine_id=key[0], finished_sending=ids, expired_sending=ids))
 
-    def readable(self, engine_id: str, request_id: str) -> PeerError | None:
-        """Why a local pull may not read this request now (None: it is published and held)."""
+    def readable(self, engine_id: str, request_id: str) -> I64 | PeerError:
+        """Return the blocks a read of this request may reach now, or why it may read none.
+
+        A request is readable while it is published and within its lease; the blocks are those
+        it was published with (sorted, unique).
+        """
         key = (engine_id, request_id)
         if key in self._expired:
             return PeerError(
                 id=0, code="expired", message=f"request {request_id!r} was released (lease ended)"
             )
         held = self._held.get(key)
-        if held is None or not held.published:
+        if held is None or not held.published or held.deadline <= time.monotonic():
             return PeerError(
                 id=0, code="unknown_engine", message=f"request {request_id!r} is not published"
             )
-        return None
+        return held.blocks
+
+    def verdict(self, claim: Claim) -> Verdict:
+        """Say whether a pull may read what it claims: this request, these blocks, this prompt.
+
+        Asked in the handshake (`Claim`), before any byte moves, whatever the data plane.
+        """
+        blocks = self.readable(claim.engine_id, claim.request_id)
+        refused = ""
+        if isinstance(blocks, PeerError):
+            refused = f"{blocks.code}: {blocks.message}"
+        elif claim.prompt_digest != self._held[(claim.engine_id, claim.request_id)].digest:
+            refused = (
+                f"another_prompt: request {claim.request_id!r} was published for another prompt "
+                "than the one this pull is for"
+            )
+        elif not _within(claim.block_ids, blocks):
+            refused = f"out_of_range: blocks that request {claim.request_id!r} did not publish"
+        return Verdict(request_id=claim.request_id, refused=refused)
 
     def read(self, msg: ReadBlocks, data: list[zmq.Frame]) -> tuple[Any, list[Any]]:
         """Answer a ZMQ-plane read: the reply and its data frames, or a `PeerError`."""
@@ -200,6 +229,15 @@ class Producer:
         if not isinstance(reply, PeerError):
             self.bytes_served_total += reply.nbytes
         return reply, frames
+
+
+def _within(ids: list[int], published: I64) -> bool:
+    """Whether every id is one of ``published`` (sorted, unique); ids past int64 are not."""
+    try:
+        wanted = np.asarray(ids, dtype=np.int64)
+    except (OverflowError, ValueError):
+        return False
+    return bool(np.isin(wanted, published).all())
 
 
 def _num_blocks(engine: Engine) -> int:

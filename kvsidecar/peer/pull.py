@@ -36,6 +36,7 @@ from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.local import LOCAL_PLANE
 from kvsidecar.peer.messages import (
     PEER_PROTOCOL_VERSION,
+    Claim,
     Notify,
     PeerEngine,
     PeerHello,
@@ -44,6 +45,7 @@ from kvsidecar.peer.messages import (
 )
 from kvsidecar.peer.plan import I64, PlanError, RankPlan, plan_rank
 from kvsidecar.peer.planes import DataPlane, ReadTarget
+from kvsidecar.peer.producer import MAX_DIGEST
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Reply
@@ -94,6 +96,8 @@ def check_pull(
     )
     if any(it.num_remote < 0 or it.num_local < 0 for it in req.items):
         raise SidecarError("invalid_message", "negative id counts")
+    if any(len(it.prompt_digest) > MAX_DIGEST for it in req.items):
+        raise SidecarError("invalid_message", f"prompt_digest longer than {MAX_DIGEST}")
     if (
         sum(it.num_remote for it in req.items) != remote_ids.size
         or sum(it.num_local for it in req.items) != local_ids.size
@@ -220,8 +224,10 @@ class PeerPull:
         )
         outcomes = await asyncio.gather(
             *(
-                self._transfer(source, item, item_plans)
-                for item, item_plans in zip(self.items, plans, strict=True)
+                self._transfer(source, item, item_plans, verdict.refused)
+                for item, item_plans, verdict in zip(
+                    self.items, plans, welcome.verdicts, strict=True
+                )
             )
         )
         return await self._complete(link, outcomes, plane_name)
@@ -243,6 +249,7 @@ class PeerPull:
                     protocol_version=PEER_PROTOCOL_VERSION,
                     daemon_id=service.daemon_id,
                     want_nixl=wants_nixl,
+                    claims=self._claims(),
                 ),
                 timeout=min(self.config.peer_handshake_timeout_s, self.deadline - loop.time()),
             )
@@ -253,7 +260,21 @@ class PeerPull:
             return self._fail("incompatible_peer", str(exc))
         if not isinstance(welcome, PeerWelcome):
             return self._fail("peer_unavailable", "unexpected handshake reply")
+        if len(welcome.verdicts) != len(self.items):
+            return self._fail("incompatible_peer", "the producer did not answer every claim")
         return welcome
+
+    def _claims(self) -> list[Claim]:
+        """Return what this pull will read, request by request, for the producer to allow."""
+        return [
+            Claim(
+                engine_id=self.req.remote_engine_id,
+                request_id=ids.item.remote_request_id or ids.item.request_id,
+                block_ids=ids.remote_ids.tolist(),
+                prompt_digest=ids.item.prompt_digest,
+            )
+            for ids in self.items
+        ]
 
     def _remote_engine(self, welcome: PeerWelcome) -> PeerEngine:
         req = self.req
@@ -320,8 +341,16 @@ class PeerPull:
 
     # ------------------------------------------------------------------ transfer
 
-    async def _transfer(self, source: _Source, ids: ItemIds, plans: list[RankPlan]) -> _Outcome:
-        """Read one request on every local rank, fix its layouts, then notify its producers."""
+    async def _transfer(
+        self, source: _Source, ids: ItemIds, plans: list[RankPlan], refused: str
+    ) -> _Outcome:
+        """Read one request on every local rank, fix its layouts, then notify its producers.
+
+        ``refused``: why the producer does not allow this read (its handshake verdict); such a
+        request fails without a byte read.
+        """
+        if refused:
+            return _Outcome(False, 0, f"refused by the producer: {refused}")
         request_id = ids.item.remote_request_id or ids.item.request_id
         reads = self._reads(source, request_id, plans)
         loop = asyncio.get_running_loop()

@@ -378,6 +378,7 @@ class PeerService:
             planes=sorted(self.planes),
             nixl_agent=self.daemon_id if nixl is not None else "",
             nixl_metadata=nixl.metadata() if nixl is not None else b"",
+            verdicts=[self.producer.verdict(claim) for claim in msg.claims],
         )
 
     def registered_buffers(self) -> list[tuple[Any, torch.Tensor]]:

@@ -182,11 +182,7 @@ def serve_read(
     if len(ranges) == 0:
         return ReadData(id=msg.id, nbytes=0), []
     rows: list[list[int]] = ranges.tolist()
-    why = (
-        _check_few(rows, bufs, blocks)
-        if len(rows) <= FEW_RANGES
-        else _check_many(ranges, bufs, blocks)
-    )
+    why = check_ranges(ranges, bufs, blocks, rows)
     if why:
         return _refuse(msg, "out_of_range", why), []
     # A chunk usually lies in one or two of the named layers: only those are viewed.
@@ -198,6 +194,22 @@ def serve_read(
         return _refuse(msg, "unsupported", str(exc)), []
     frames = [views[i][o : o + k] for i, o, k in rows]
     return ReadData(id=msg.id, nbytes=sum(r[2] for r in rows)), frames
+
+
+def check_ranges(
+    ranges: npt.NDArray[np.int64],
+    bufs: list[LayerBuffer],
+    blocks: npt.NDArray[np.int64],
+    rows: list[list[int]] | None = None,
+) -> str:
+    """Why ``(layer index, offset, length)`` ranges of ``bufs`` may not be read ("": they may).
+
+    Every range must lie inside its layer buffer and inside the rows of ``blocks`` (sorted,
+    unique block ids). ``rows``: the same ranges as lists, when the caller has them already.
+    """
+    if len(ranges) <= FEW_RANGES:
+        return _check_few(ranges.tolist() if rows is None else rows, bufs, blocks)
+    return _check_many(ranges, bufs, blocks)
 
 
 _BAD_LAYER = "layer index outside the named layers"

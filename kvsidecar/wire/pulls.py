@@ -25,12 +25,15 @@ class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     with a local block size ``r`` times the remote one, local block ``j`` receives remote blocks
     ``r*j .. r*j + r - 1``, so ``r * (num_local - 1) < num_remote <= r * num_local``.
     ``remote_request_id`` is the producer's id for it (default: the same id).
+    ``prompt_digest`` names the prompt the consumer holds (`Publish.prompt_digest`): the producer
+    serves the request only when it was published with the same digest.
     """
 
     request_id: str
     num_remote: int
     num_local: int
     remote_request_id: str = ""
+    prompt_digest: str = ""
 
 
 class Pull(_Request, tag="pull", frozen=True):
@@ -61,12 +64,16 @@ class Publish(_Request, tag="publish", frozen=True):
 
     The daemon reports ``finished_sending`` for the request once every producer rank was read
     by all its consumers, or once the lease (``lease_s``, 0 = ``peer_lease_s``) runs out.
+    Only these blocks of the request can be read, and only by pulls whose item carries the same
+    ``prompt_digest`` (a digest of the prompt whose KV the blocks hold; "" for none): a consumer
+    holding another prompt cannot read them.
     """
 
     engine_id: str
     request_id: str
     lease_s: float = 0.0
     ids_dtype: IdsDtype = "int64"
+    prompt_digest: str = ""
 
 
 class TakePeerEvents(_Request, tag="take_peer_events", frozen=True):
