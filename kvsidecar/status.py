@@ -30,7 +30,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def format_status(st: StatusReply) -> str:
-    """Render the whole status reply as text: a summary, then engines and workers."""
+    """Render the whole status reply as text: a summary, engines and workers, the prefix cache."""
     pool_pct = 100.0 * st.host_pool_used_bytes / st.host_pool_bytes if st.host_pool_bytes else 0.0
     out = [
         f"kvsidecar {st.daemon_version} (protocol {st.protocol_version}) on {st.endpoint}"
@@ -40,11 +40,51 @@ def format_status(st: StatusReply) -> str:
         f"{st.in_flight_moves} moves in flight",
         f"totals: {st.moves_total} moves, {human_bytes(st.bytes_moved_total)} moved, "
         f"{st.moves_failed_total} failed moves, {st.errors_total} error replies",
+        f"pulls: {st.pulls_total} ({st.pulls_failed_total} with failed requests), "
+        f"{human_bytes(st.bytes_pulled_total)} pulled; {st.published_requests} requests "
+        "published and waiting for their consumer",
         "",
     ]
-    if not st.engines:
-        out.append("no engines registered")
-        return "\n".join(out)
+    if st.engines:
+        out.extend((_engines(st), ""))
+    else:
+        out.extend(("no engines registered", ""))
+    out.append(_cache(st) if st.cache_namespaces else "prefix cache: no namespaces")
+    return "\n".join(out)
+
+
+def _cache(st: StatusReply) -> str:
+    """Render the prefix cache's namespaces: what each holds and how much it served."""
+    spaces = st.cache_namespaces
+    ready = sum(ns.ready_blocks * ns.block_bytes for ns in spaces)
+    head = (
+        f"prefix cache: {len(spaces)} namespaces, {sum(ns.ready_blocks for ns in spaces)} "
+        f"blocks ({human_bytes(ready)}); since started: {sum(ns.hit_blocks for ns in spaces)} "
+        f"blocks hit by lookups, {sum(ns.loaded_blocks for ns in spaces)} loaded, "
+        f"{sum(ns.stored_blocks for ns in spaces)} stored"
+    )
+    rows = [
+        (
+            ns.owner,
+            ns.fingerprint if len(ns.fingerprint) <= 40 else ns.fingerprint[:39] + "…",
+            ns.tp_rank,
+            f"{ns.ready_blocks}/{ns.capacity_blocks}",
+            human_bytes(ns.capacity_blocks * ns.block_bytes),
+            ns.pinned_blocks,
+            ns.hit_blocks,
+            ns.loaded_blocks,
+            ns.stored_blocks,
+            ns.workers,
+        )
+        for ns in spaces
+    ]
+    headers = ("owner", "namespace", "rank", "blocks", "size", "pinned", "hits", "loaded")
+    return head + "\n" + table((*headers, "stored", "workers"), rows)
+
+
+def _engines(st: StatusReply) -> str:
+    """Render the registered engines, then their workers."""
+    out = []
     out.append(
         table(
             ("engine", "workers", "registered", "host blocks used", "model hash"),

@@ -354,3 +354,78 @@ def test_an_idle_namespace_gives_its_room_to_a_new_one() -> None:
                 assert c.cache_lookup("fp-new", [key(2)]).hits == 1
             finally:
                 new.close()
+
+
+def test_a_namespace_its_engine_moved_away_from_gives_its_room_to_the_next() -> None:
+    """An engine that resets its cache stores under a new fingerprint: its old namespace is no
+    longer its own, so the next namespace that needs room gets it although the engine lives."""
+    room = 24 * BLOCK_BYTES + 2 * 4096
+    with daemon_process(make_config(host_pool_bytes=8 << 20, cache_bytes=room + room // 2)) as d:
+        engine = Engine(d.config.endpoint, "resets", 1)
+        try:
+            engine.client.submit_cache_store("fp-gen0", [key(1)], [1], capacity_bytes=room).result()
+            stored = engine.client.submit_cache_store(
+                "fp-gen1", [key(1)], [1], capacity_bytes=room
+            ).result()
+            assert stored.stored == 1  # fp-gen0 gave its room up, its engine still registered
+            spaces = engine.client.status().cache_namespaces
+            assert [(n.fingerprint, n.workers) for n in spaces] == [("fp-gen1", 1)]
+        finally:
+            engine.close()
+
+
+def test_pins_are_counted_apart_from_lookups(
+    daemon: DaemonProcess, engines: tuple[Engine, Engine]
+) -> None:
+    """A scheduler looks a request up, then pins what it loads: one lookup, one pin."""
+    a, _ = engines
+    fp = "model-pins"
+    a.client.submit_cache_store(fp, [key(1), key(2)], [1, 2], capacity_bytes=ROOM).result()
+    before = {
+        name: samples(daemon, name, **labels)
+        for name, labels in (
+            ("kvsidecar_cache_lookups_total", {}),
+            ("kvsidecar_cache_lookup_blocks_total", {"result": "hit"}),
+            ("kvsidecar_cache_pins_total", {}),
+            ("kvsidecar_cache_pinned_blocks_total", {}),
+        )
+    }
+    assert a.client.cache_lookup(fp, [key(1), key(2), key(3)]).hits == 2
+    pin = a.client.cache_lookup(fp, [key(1), key(2)], pin_s=5.0)
+    assert pin.hits == 2 and pin.pin_id
+    assert a.client.submit_cache_load(fp, [key(1), key(2)], [5, 6], pin_id=pin.pin_id).result()
+    after = {
+        name: samples(daemon, name, **labels)
+        for name, labels in (
+            ("kvsidecar_cache_lookups_total", {}),
+            ("kvsidecar_cache_lookup_blocks_total", {"result": "hit"}),
+            ("kvsidecar_cache_pins_total", {}),
+            ("kvsidecar_cache_pinned_blocks_total", {}),
+        )
+    }
+    assert {k: after[k] - before[k] for k in after} == {
+        "kvsidecar_cache_lookups_total": 1,
+        "kvsidecar_cache_lookup_blocks_total": 2,
+        "kvsidecar_cache_pins_total": 1,
+        "kvsidecar_cache_pinned_blocks_total": 2,
+    }
+
+
+def test_a_load_whose_not_after_passed_never_copies(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """The worker gave up on the load (and may reuse its blocks): the copy must not start."""
+    a, b = engines
+    fp = "model-late-load"
+    a.client.submit_cache_store(fp, [key(4)], [3], capacity_bytes=ROOM).result()
+    before = b.block(7)
+    late = b.client.submit_cache_load(fp, [key(4)], [7], not_after=time.monotonic() - 1)
+    with pytest.raises(SidecarError) as err:
+        late.result()
+    assert err.value.code == "timeout"
+    for got, want in zip(b.block(7), before, strict=True):
+        assert torch.equal(got, want)
+    fresh = b.client.submit_cache_load(fp, [key(4)], [7], not_after=time.monotonic() + 30)
+    assert fresh.result().loaded == 1
+    for got, want in zip(b.block(7), a.block(3), strict=True):
+        assert torch.equal(got, want)

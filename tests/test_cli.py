@@ -249,6 +249,41 @@ def test_status_shows_the_registered_engine_and_worker() -> None:
     assert "256.0 KiB" in worker_rows[0]
 
 
+@pytest.mark.timeout(120)
+def test_status_shows_the_prefix_cache_and_pulls() -> None:
+    """Namespaces with their blocks, hits, loads and stores; pulls and published requests."""
+    import torch
+
+    from kvsidecar.client import SidecarClient
+    from kvsidecar.memory import allocate_kv_caches
+
+    config = make_config(host_pool_bytes=16 << 20, cache_bytes=4 << 20, peer_lease_s=30.0)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    with daemon_process(config), SidecarClient(config.endpoint) as client:
+        caches = allocate_kv_caches(2, (2, 16, 4, 2, 8), torch.bfloat16)
+        client.register_kv_caches(
+            {f"l{i}": t for i, t in enumerate(caches)}, engine_id="eng-status"
+        )
+        assert client.submit_cache_store("fp-status", keys, [1, 2, 3]).result().stored == 3
+        assert client.cache_lookup("fp-status", keys[:2]).hits == 2
+        assert client.submit_cache_load("fp-status", keys[:1], [9]).result().loaded == 1
+        client.publish("eng-status", "held", [4])
+        client.publish("eng-status", "read", [5])
+        pulled = client.submit_pull(
+            "eng-status", "", "eng-status", {"r": ([5], [6])}, remote_request_ids={"r": "read"}
+        ).result()
+        assert pulled.finished == ["r"]
+        result = kvsidecar("status", "--endpoint", config.endpoint, "--timeout", "10")
+    assert result.returncode == EXIT_OK, result.stderr
+    out = result.stdout
+    assert "prefix cache: 1 namespaces, 3 blocks" in out, out
+    assert "2 blocks hit by lookups, 1 loaded, 3 stored" in out, out
+    (row,) = [line for line in out.splitlines() if "fp-status" in line]
+    assert row.split()[2:4] == ["0", "3/" + row.split()[3].split("/")[1]], row
+    assert "pulls: 1 (0 with failed requests)" in out, out
+    assert "1 requests published" in out, out
+
+
 @pytest.mark.timeout(60)
 def test_status_without_a_daemon_exits_4_within_its_timeout(tmp_short: Path) -> None:
     endpoint = f"ipc://{tmp_short}/nobody.sock"

@@ -356,10 +356,17 @@ class AsyncSidecarClient(_AsyncTransport):
         pin_id: int = 0,
         worker: WorkerRef | None = None,
         timeout: float | None = None,
+        not_after: float = 0.0,
     ) -> CacheLoaded:
         """Load the blocks of ``keys`` into ``block_ids`` (`CacheLoad`); see its missing ids."""
         call = self._cache_load(
-            fingerprint, keys, block_ids, worker=worker, pin_id=pin_id, timeout=timeout
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            pin_id=pin_id,
+            timeout=timeout,
+            not_after=not_after,
         )
         return await self._run(call)
 

@@ -88,6 +88,7 @@ class _CacheRequests(_Base):
         worker: WorkerRef | None,
         pin_id: int,
         timeout: float | None,
+        not_after: float = 0.0,
     ) -> _Call[CacheLoaded, CacheLoaded]:
         size, frame = _key_frame(keys)
         ids = _as_id_array(block_ids)
@@ -98,6 +99,7 @@ class _CacheRequests(_Base):
             key_size=size,
             ids_dtype=_dtype_of(ids),
             pin_id=pin_id,
+            not_after=not_after,
         )
         return _Call(req, CacheLoaded, _reply, (frame, ids), timeout)
 

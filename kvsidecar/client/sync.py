@@ -390,13 +390,22 @@ class SidecarClient(_BlockingTransport):
         pin_id: int = 0,
         worker: WorkerRef | None = None,
         timeout: float | None = None,
+        not_after: float = 0.0,
     ) -> Pending[CacheLoaded]:
         """Start loading the blocks of ``keys`` into ``block_ids`` (`CacheLoad`); returns at once.
 
         The result's ``missing_block_ids`` were not loaded (not held): recompute them.
+        ``not_after``: ``time.monotonic()`` after which the copy must not start (the caller has
+        given up waiting and may reuse the blocks).
         """
         call = self._cache_load(
-            fingerprint, keys, block_ids, worker=worker, pin_id=pin_id, timeout=timeout
+            fingerprint,
+            keys,
+            block_ids,
+            worker=worker,
+            pin_id=pin_id,
+            timeout=timeout,
+            not_after=not_after,
         )
         return self._submit(call)
 

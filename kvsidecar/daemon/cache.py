@@ -94,6 +94,10 @@ class Namespace:
     last_used: float = 0.0
     busy: int = 0
     """Copies in flight on its blocks (it is not dropped meanwhile)."""
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    """Running totals of its lookups' hits, stores and loads (``status``)."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -128,6 +132,9 @@ class PrefixCache:
         self.registry = registry
         self.pool = pool
         self.namespaces: dict[NamespaceKey, Namespace] = {}
+        self.current: dict[WorkerRef, NamespaceKey] = {}
+        """The namespace each worker used last: a worker uses one at a time (an engine that
+        resets its cache moves to a new fingerprint), so only that one is held for it."""
         self.pins: dict[int, _Pin] = {}
         self._pin_ids = itertools.count(1)
         self.metrics = metrics(self.state)
@@ -150,6 +157,7 @@ class PrefixCache:
         for ns in self.namespaces.values():
             ns.buffers.close()
         self.namespaces.clear()
+        self.current.clear()
         self.pins.clear()
 
     # ------------------------------------------------------------------ pins
@@ -206,6 +214,8 @@ class PrefixCache:
             raise SidecarError("invalid_message", "fingerprint must be 1..256 characters")
         key = (owner, fingerprint, worker.ref.tp_rank)
         layers = {n: _shape_of(lb.descriptor) for n, lb in worker.device.layers.items()}
+        # Before a namespace is made: the one this worker leaves may give it its room.
+        self._move(worker.ref, key)
         ns = self.namespaces.get(key)
         if ns is None and create:
             ns = self._create(key, layers, worker.tp_size, capacity_bytes)
@@ -220,6 +230,15 @@ class PrefixCache:
         ns.workers.add(worker.ref)
         ns.last_used = time.monotonic()
         return ns
+
+    def _move(self, ref: WorkerRef, key: NamespaceKey) -> None:
+        """Note that ``ref`` uses namespace ``key`` now: the one it used before is not held."""
+        before = self.current.get(ref)
+        if before != key:
+            old = self.namespaces.get(before) if before is not None else None
+            if old is not None:
+                old.workers.discard(ref)
+            self.current[ref] = key
 
     def _create(
         self, key: NamespaceKey, layers: dict[str, BufferDescriptor], tp_size: int, asked: int
@@ -254,13 +273,16 @@ class PrefixCache:
 
     def _make_room(self, need: int) -> None:
         """Drop idle namespaces, least recently used first, until ``need`` bytes are free."""
+        registered = self.registry.workers
+        for ref in [r for r in self.current if r not in registered]:
+            space = self.namespaces.get(self.current.pop(ref))
+            if space is not None:
+                space.workers.discard(ref)
         idle = sorted(
             (
                 ns
                 for ns in self.namespaces.values()
-                if ns.busy == 0
-                and not ns.index.pinned
-                and not any(w in self.registry.workers for w in ns.workers)
+                if ns.busy == 0 and not ns.index.pinned and not ns.workers
             ),
             key=lambda ns: ns.last_used,
         )

@@ -76,6 +76,21 @@ def _timed(job: Job, finished: list[float]) -> Job:
     return dataclasses.replace(job, run=run)
 
 
+def _not_after(job: Job, deadline: float) -> Job:
+    """Wrap ``job`` so that its copy never starts after ``deadline`` (a load's ``not_after``).
+
+    The worker has given up on the load by then and may have handed its blocks to another
+    request: a copy starting later would overwrite them.
+    """
+
+    def run() -> int:
+        if time.monotonic() > deadline:
+            raise SidecarError("timeout", "the load's not_after passed before its copy started")
+        return job.run()
+
+    return dataclasses.replace(job, run=run)
+
+
 def _failed(outcome: asyncio.Future[Reply]) -> bool:
     return outcome.cancelled() or outcome.exception() is not None
 
@@ -105,6 +120,10 @@ class CacheCommands(Commands):
                 ready_blocks=ns.index.ready,
                 pinned_blocks=ns.index.pinned,
                 block_bytes=ns.block_bytes,
+                hit_blocks=ns.hit_blocks,
+                stored_blocks=ns.stored_blocks,
+                loaded_blocks=ns.loaded_blocks,
+                workers=len(ns.workers),
             )
             for ns in self.cache.namespaces.values()
         ]
@@ -130,10 +149,16 @@ class CacheCommands(Commands):
         cache.sweep_pins(time.monotonic())
         spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size)
         hits = 0 if spaces is None else min(ns.index.lookup(keys) for ns in spaces)
-        cache.metrics.lookup(hits, len(keys) - hits)
         pin_id = 0
-        if spaces is not None and hits and req.pin_s > 0:
+        if req.pin_s <= 0:
+            cache.metrics.lookup(hits, len(keys) - hits)
+            for ns in spaces or ():
+                ns.hit_blocks += hits
+        elif spaces is not None and hits:
+            # A pin repeats the lookup that admitted the request: counted apart, so that the
+            # lookups' hit ratio counts each request once.
             pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s)
+            cache.metrics.pin(hits)
         return CacheHits(id=req.id, hits=hits, pin_id=pin_id)
 
     def _cache_store(
@@ -177,6 +202,7 @@ class CacheCommands(Commands):
             kept[0] = not _failed(outcome) and not late
             ns.index.commit(stored, res.slots, ok=kept[0])
             if kept[0]:
+                ns.stored_blocks += len(stored)
                 cache.metrics.transferred("store", len(stored), _nbytes(outcome))
             else:
                 cache.metrics.drop("failed" if _failed(outcome) else "late", len(stored))
@@ -220,6 +246,8 @@ class CacheCommands(Commands):
             )
             return loaded, ()
         job = move_job(self.registry, ns.buffers, worker.device, slot_ids(held), ids[found])
+        if req.not_after:
+            job = _not_after(job, req.not_after)
         # The job's own pin from now until its copy ends; the lookup's pin is done with.
         ns.index.pin(held)
         if req.pin_id:
@@ -231,6 +259,7 @@ class CacheCommands(Commands):
             space.busy -= 1
             space.index.unpin(held)
             if not _failed(outcome):
+                space.loaded_blocks += len(held)
                 cache.metrics.transferred("load", len(held), _nbytes(outcome))
 
         def make(moved: Moved) -> Reply:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
+
 from kvsidecar.daemon.access import Principal  # security
 from kvsidecar.daemon.cache_commands import CacheCommands
 from kvsidecar.daemon.edge import Dispatched, ReplyTo
@@ -38,6 +40,7 @@ from kvsidecar.wire.protocol import (
     Report,
     Request,
     Status,
+    StatusReply,
     Unregister,
 )
 from kvsidecar.wire.pulls import PeerEvents, Publish, Pull, Pulled, TakePeerEvents
@@ -56,6 +59,19 @@ class Dispatch(ShortMoves, Registration, CacheCommands):
             raise SidecarError("shutting_down", "node-to-node transfer is not running")
         return self.peer
 
+    def _with_pulls(self, reply: StatusReply) -> StatusReply:
+        """Add the peer service's totals to a ``status`` reply."""
+        peer = self.peer
+        if peer is None:
+            return reply
+        return msgspec.structs.replace(
+            reply,
+            pulls_total=peer.pulls_total,
+            pulls_failed_total=peer.pulls_failed_total,
+            bytes_pulled_total=peer.bytes_pulled_total,
+            published_requests=peer.producer.published,
+        )
+
     def _dispatch(
         self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
     ) -> Dispatched:
@@ -72,7 +88,7 @@ class Dispatch(ShortMoves, Registration, CacheCommands):
                 _check_version(req.protocol_version)
                 return self._hello(req), ()
             case Status():
-                return self._status(req), ()
+                return self._with_pulls(self._status(req)), ()
             case Heartbeat():
                 return self._heartbeat(req), ()
             case HostAlloc():

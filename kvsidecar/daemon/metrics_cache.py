@@ -61,7 +61,13 @@ class CacheMetrics:
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels, namespace=NAMESPACE, registry=registry)
 
-        self.lookups = counter("cache_lookups", "Prefix-cache lookups answered.")
+        self.lookups = counter(
+            "cache_lookups", "Prefix-cache lookups answered (pins not included)."
+        )
+        self.pins = counter(
+            "cache_pins", "Lookups that pinned their hits for a load (not counted as lookups)."
+        )
+        self.pinned = counter("cache_pinned_blocks", "Blocks pinned for loads, all pins.")
         self.lookup_blocks = counter(
             "cache_lookup_blocks",
             "Blocks asked for by lookups: hit (held on every rank, leading) or miss.",
@@ -97,6 +103,11 @@ class CacheMetrics:
         self.lookups.inc()
         self.lookup_blocks.labels("hit").inc(hits)
         self.lookup_blocks.labels("miss").inc(misses)
+
+    def pin(self, blocks: int) -> None:
+        """Count one pin and its blocks (a lookup with ``pin_s``, which repeats a lookup)."""
+        self.pins.inc()
+        self.pinned.inc(blocks)
 
     def transferred(self, direction: Direction, blocks: int, nbytes: int) -> None:
         """Count blocks and bytes copied into (store) or out of (load) the cache."""

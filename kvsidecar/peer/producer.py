@@ -84,6 +84,11 @@ class Producer:
         """Notifications ignored: unknown engine or rank, or too many early ones."""
         self._expired: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
+    @property
+    def published(self) -> int:
+        """Requests published and held now."""
+        return len(self._held) - self._early
+
     def publish(self, req: Publish, ids: IdArray) -> Ok:
         """Hold a request's blocks for remote readers until read or until the lease ends."""
         engine = self.registry.engine(req.engine_id)

@@ -56,6 +56,8 @@ class CacheLoad(_Request, tag="cache_load", frozen=True):
     Keys that are not ready in the worker's namespace are not loaded; the reply lists their
     destination blocks (their contents are unchanged: the engine must recompute them).
     ``pin_id`` (from `CacheHits`) releases that lookup's pin of this rank's blocks.
+    ``not_after`` (seconds of the node's CLOCK_MONOTONIC, 0: none) is when the worker stops
+    waiting for this load: a copy that has not started by then never starts.
     """
 
     target: BufferSetRef
@@ -63,6 +65,7 @@ class CacheLoad(_Request, tag="cache_load", frozen=True):
     key_size: int = 32
     ids_dtype: IdsDtype = "int64"
     pin_id: int = 0
+    not_after: float = 0.0
 
 
 class TakeWorkerEvents(_Request, tag="take_worker_events", frozen=True):
@@ -117,3 +120,9 @@ class CacheNamespaceInfo(msgspec.Struct, frozen=True):
     ready_blocks: int
     pinned_blocks: int
     block_bytes: int
+    hit_blocks: int = 0
+    """Blocks lookups found here since the namespace was made (pins not counted)."""
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    workers: int = 0
+    """Registered workers that use it now."""

@@ -348,6 +348,13 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
     cache_namespaces: list[CacheNamespaceInfo] = []
     """The prefix cache's namespaces (`kvsidecar.daemon.cache`)."""
+    pulls_total: int = 0
+    """Pulls into this daemon's engines (`kvsidecar.peer.pull`), local ones included."""
+    pulls_failed_total: int = 0
+    """Pulls of which at least one request failed."""
+    bytes_pulled_total: int = 0
+    published_requests: int = 0
+    """Requests published by this daemon's engines and not yet read or expired."""
 
 
 class Error(_Reply, tag="error", frozen=True):
