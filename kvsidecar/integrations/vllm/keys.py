@@ -41,6 +41,9 @@ class CacheFacts:
     tp_size: int
     hash_algo: str
     device: str
+    weights: str = ""
+    """Digest of the rest that changes a block's bytes: the model's whole configuration (with
+    ``hf_overrides``), quantization, implementation, KV-scale settings, vLLM's version."""
 
     def model_hash(self) -> str:
         """Return what engines must share to exchange blocks at all (`Register.model_hash`).
@@ -50,7 +53,7 @@ class CacheFacts:
         """
         heads = self.num_kv_heads * self.tp_size
         facts = [self.model, self.revision, self.dtype, self.cache_dtype, self.num_layers, heads]
-        facts.append(self.head_size)
+        facts.extend((self.head_size, self.weights))
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:32]
 
     def fingerprint(self) -> str:

@@ -18,6 +18,7 @@ vLLM hands its workers plain tensors, one per layer. Their layout is read from t
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -62,19 +63,46 @@ def detect_layout(t: torch.Tensor, *, cpu_packing: Arrangement | None) -> CacheL
     raise LayoutUnknown(f"a KV cache tensor of shape {shape} on {t.device} is not a known layout")
 
 
-def share_storages(kv_caches: dict[str, torch.Tensor]) -> None:
+class SharedMemoryTooSmall(RuntimeError):
+    """The engine's CPU cache does not fit in ``/dev/shm``; the message says how big each is."""
+
+
+SHM = "/dev/shm"
+"""Where torch puts the shared memory it moves a storage into (``shm_open``)."""
+
+
+def share_storages(kv_caches: dict[str, torch.Tensor], shm: str = SHM) -> None:
     """Move the CPU layers' storages into shared memory, in place, so the daemon can map them.
 
     vLLM keeps every layer as a view of one storage; each storage moves once, and every view
     (the attention layers' included) then sees the shared pages: nothing is copied per step.
+    Raises `SharedMemoryTooSmall`, before anything moves, when ``shm`` (``/dev/shm``) has less
+    room than the storages: a container's default of 64 MiB holds no real cache.
     """
-    done: set[int] = set()
+    storages: dict[int, torch.Tensor] = {}
     for t in kv_caches.values():
-        if t.device.type != "cpu":
-            continue
         storage = t.untyped_storage()
-        key = id(storage) if storage.data_ptr() == 0 else storage.data_ptr()
-        if key in done or storage.is_shared():
-            continue
-        t.share_memory_()  # type: ignore[no-untyped-call]
-        done.add(t.untyped_storage().data_ptr())
+        if t.device.type == "cpu" and not storage.is_shared():
+            storages.setdefault(storage.data_ptr() or id(storage), t)
+    need = sum(t.untyped_storage().nbytes() for t in storages.values())
+    if not need:
+        return
+    st = os.statvfs(shm)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    if need > free:
+        raise SharedMemoryTooSmall(_too_small(need, shm, size, free))
+    for t in storages.values():
+        try:
+            t.share_memory_()  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:  # taken meanwhile by another process
+            raise SharedMemoryTooSmall(f"{_too_small(need, shm, size, free)} ({exc})") from None
+
+
+def _too_small(need: int, shm: str, size: int, free: int) -> str:
+    gib = 1 << 30
+    return (
+        f"the KV cache ({need / gib:.2f} GiB) does not fit in {shm} ({size / gib:.2f} GiB, "
+        f"{free / gib:.2f} GiB free): the daemon cannot map it. Give the engine a {shm} of at "
+        f"least {need / gib:.2f} GiB (docker run --shm-size; Kubernetes: an emptyDir with "
+        "medium Memory and a sizeLimit), or a smaller cache (VLLM_CPU_KVCACHE_SPACE)"
+    )

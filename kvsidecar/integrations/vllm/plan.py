@@ -43,6 +43,9 @@ class PullSpec:
     """The producer daemon's identity: equal to ours, the pull stays on this node."""
     remote_ids: list[int]
     local_ids: list[int]
+    prompt_digest: str = ""
+    """The digest of this request's prompt: the producer's daemon serves the pull only if the
+    blocks were published for the same one (`kvsidecar.integrations.vllm.params`)."""
 
 
 @dataclasses.dataclass
@@ -61,3 +64,8 @@ class StepPlan:
     freed: list[str] = dataclasses.field(default_factory=list)
     """Requests whose blocks vLLM freed since the last step (finished, aborted, preempted): this
     step's forward may write into them, so their pending stores must be done first."""
+    failed_loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    """Loads vLLM counts on that the scheduler could not plan (a hook failed): every worker
+    reports their blocks as load errors, without asking the daemon."""
+    failed_pulls: list[PullSpec] = dataclasses.field(default_factory=list)
+    """Pulls likewise: reported as received with every local block invalid."""

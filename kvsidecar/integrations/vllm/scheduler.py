@@ -10,28 +10,47 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
   Lookups change nothing; `SchedulerSide.after_alloc` pins what it will load. Every full block a
   step computes is stored after that step (`StepPlan.stores`); blocks the engine already had are
   not stored again.
-- **Disaggregated prefill**: a prefill engine's finished request with ``do_remote_decode`` is
-  published with a lease and answered with ``kv_transfer_params`` naming its blocks, its engine
-  and its daemon; vLLM holds the blocks until the workers report ``finished_sending``. A decode
-  engine given those params loads the whole prompt *asynchronously* (the request waits, then
-  computes only its last token): its workers pull the blocks, through the same daemon when both
-  engines share it, from the producer's daemon otherwise.
+- **Nothing computed over a failed load is stored.** A block computed in the step of a load, or
+  after it, depends on the loaded blocks: the workers report each load's outcome per rank
+  (`SchedulerSide.confirm`). A request whose load failed on any rank stores nothing more (its
+  workers drop the stores they were already given); with TP > 1 a request's stores wait until
+  every rank has confirmed its load, since one rank cannot know another's outcome.
+- **Disaggregated prefill**, only where it is turned on (``disaggregated``: the roles
+  ``kv_producer`` and ``kv_consumer``, or the setting): a prefill engine's finished request with
+  ``do_remote_decode`` is published with a lease and the digest of its prompt, and answered with
+  ``kv_transfer_params`` naming its blocks, its engine and its daemon; vLLM holds the blocks until
+  the workers report ``finished_sending``. A decode engine given those params, once they are
+  checked against the request (`kvsidecar.integrations.vllm.params`), loads the whole prompt
+  *asynchronously*: its workers pull the blocks through their daemon, which reads them only if
+  they were published for a prompt with the same digest. Params that do not hold up are ignored,
+  with a warning and a count: the request is computed here.
 
 The daemon may be absent or die at any time: a lookup that fails is a miss (and the daemon is
 left alone for ``retry_s``), a publish that fails frees the blocks at once (the consumer then
-computes the prompt itself).
+computes the prompt itself). When a hook fails on a bug, `fail_alloc`, `fail_build` and
+`fail_finished` give vLLM the closed answer: planned loads become load errors, planned pulls
+failed transfers, published blocks stay held until their lease ends.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kvsidecar.client import SidecarError
 from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.integrations.vllm.connection import DaemonConnection
+from kvsidecar.integrations.vllm.params import (
+    Ignored,
+    IgnoredReason,
+    RemotePrefill,
+    parse_remote_prefill,
+    prompt_digest,
+)
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 
@@ -63,6 +82,24 @@ class RequestView(Protocol):
         ...
 
 
+def request_prompt(request: Any, num_tokens: int | None = None) -> tuple[Sequence[int], str, str]:
+    """Return a request's first ``num_tokens`` tokens (all of its prompt when None), LoRA, salt.
+
+    `Ignored` ``unsupported`` for what a token digest cannot name: multimodal inputs, prompt
+    embeddings.
+    """
+    tokens = getattr(request, "prompt_token_ids", None)
+    if tokens is None or getattr(request, "prompt_embeds", None) is not None:
+        raise Ignored("unsupported", "prompts given as embeddings are not handed over")
+    if getattr(request, "mm_features", None):
+        raise Ignored("unsupported", "multimodal prompts are not handed over")
+    if num_tokens is not None:
+        tokens = list(getattr(request, "all_token_ids", tokens))[:num_tokens]
+    lora = getattr(request, "lora_request", None)
+    lora_name = "" if lora is None else str(getattr(lora, "lora_name", "") or "")
+    return tokens, lora_name, str(getattr(request, "cache_salt", None) or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheduled:
     """One request scheduled this step, as `SchedulerSide.build` needs it."""
@@ -86,6 +123,18 @@ class _Tracked:
     """Blocks the daemon has (or that were never this engine's to store)."""
 
 
+@dataclasses.dataclass
+class _Pending:
+    """What `SchedulerSide.lookup` found for a request, for `SchedulerSide.after_alloc`."""
+
+    local: int
+    """Blocks of the engine's own prefix-cache hit."""
+    hits: int = 0
+    """Blocks beyond them the daemon holds."""
+    pull: RemotePrefill | None = None
+    """The checked hand-over of a decode request."""
+
+
 class SchedulerSide:
     """See the module doc. ``engine_id`` names the engine its workers register."""
 
@@ -99,23 +148,35 @@ class SchedulerSide:
         block_size: int,
         tp_size: int,
         prefix_cache: bool,
+        disaggregated: bool = False,
     ) -> None:
         self.settings = settings
         self.role = role
         self.engine_id = engine_id
+        self.base_fingerprint = fingerprint
         self.fingerprint = fingerprint
+        """The namespace's name now: ``base_fingerprint`` and, after `reset`, a generation."""
         self.block_size = block_size
         self.tp_size = tp_size
         self.prefix_cache = prefix_cache
+        self.disaggregated = disaggregated
         self.layout = ""
         """The workers' cache layout (their handshake metadata): sent to decode engines."""
         self.conn = DaemonConnection(
             settings, "scheduler", heartbeat=False, timeout_s=settings.lookup_timeout_s
         )
+        self.counters: collections.Counter[str] = collections.Counter()
+        """Running totals: ``ignored:<reason>`` for every request whose params were ignored."""
         self._tracked: dict[str, _Tracked] = {}
-        self._matched: dict[str, tuple[int, int]] = {}
-        """Request -> (blocks of the engine's own hit, blocks the daemon holds beyond them)."""
+        self._pending: dict[str, _Pending] = {}
+        self._awaiting: dict[str, set[int]] = {}
+        """Request -> ranks that have not confirmed its load yet (stores wait for them, TP > 1)."""
         self._next = StepPlan(step=0, fingerprint=fingerprint)
+        self._building: StepPlan | None = None
+        """The plan `build` is writing (for `fail_build`, should it raise)."""
+        self._warned: set[IgnoredReason] = set()
+        self._ignored: set[str] = set()
+        """Requests counted as ignored and not finished yet."""
 
     def start(self) -> None:
         """Begin connecting to the daemon (in the background when it does not answer at once)."""
@@ -125,19 +186,43 @@ class SchedulerSide:
         """Drop the daemon connection."""
         self.conn.close()
 
+    def reset(self) -> None:
+        """Answer ``reset_cache``: blocks stored from now on go to a namespace of their own.
+
+        After a weight update the blocks of the old namespace would be wrong for this engine,
+        and its new blocks wrong for engines that kept the old weights: a generation that no
+        other engine has is added to the fingerprint, and nothing computed before is stored.
+        """
+        self.fingerprint = f"{self.base_fingerprint}~{uuid.uuid4().hex[:12]}"
+        self._next.fingerprint = self.fingerprint
+        self._tracked.clear()
+        self._pending.clear()
+        self._awaiting.clear()
+        log.info("kvsidecar: cache reset: namespace %s from now on", self.fingerprint)
+
     # ------------------------------------------------------------------ admission
+
+    def may_load_async(self, request: RequestView) -> bool:
+        """Whether `lookup` may answer an asynchronous load for this request (cheap)."""
+        params = request.kv_transfer_params
+        if not (self.disaggregated and params and self.role != "kv_producer"):
+            return False
+        return params.get("do_remote_prefill") is True
 
     def lookup(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """Answer ``get_num_new_matched_tokens``: tokens to load, and whether asynchronously."""
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and self.role in ("kv_consumer", "kv_both"):
-            return self._remote_prefill(request, num_computed_tokens, params)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            try:
+                return self._remote_prefill(request, num_computed_tokens, params)
+            except Ignored as why:
+                self.ignore(request.request_id, why)
         if not self.prefix_cache:
             return 0, False
         bs = self.block_size
         local = num_computed_tokens // bs
         # What the engine had itself is never stored again, hit or not.
-        self._matched[request.request_id] = (local, 0)
+        self._pending[request.request_id] = _Pending(local)
         # Sync loads must leave the last prompt token to compute (vLLM asserts it).
         keys = list(request.block_hashes[local : (request.num_tokens - 1) // bs])
         client = self.conn.get() if keys else None
@@ -148,27 +233,52 @@ class SchedulerSide:
         except SidecarError as exc:
             self.conn.away(f"lookup: {exc}")
             return 0, False
-        self._matched[request.request_id] = (local, hits)
+        self._pending[request.request_id] = _Pending(local, hits=hits)
         return hits * bs, False
 
+    def ignore(self, request_id: str, why: Ignored) -> None:
+        """Count a request whose params are ignored; warn (once per reason at warning level).
+
+        vLLM asks again for a request it could not admit yet: each request counts once.
+        """
+        if request_id in self._ignored:
+            return
+        self._ignored.add(request_id)
+        self.counters[f"ignored:{why.reason}"] += 1
+        level = logging.INFO if why.reason in self._warned else logging.WARNING
+        self._warned.add(why.reason)
+        log.log(
+            level,
+            "kvsidecar: %s: kv_transfer_params ignored, the prompt is computed here (%s)",
+            request_id,
+            why,
+        )
+
     def _remote_prefill(
-        self, request: RequestView, num_computed_tokens: int, params: dict[str, Any]
+        self, request: Any, num_computed_tokens: int, params: dict[str, Any]
     ) -> tuple[int, bool]:
-        try:
-            remote_tokens = int(params["remote_num_tokens"])
-            remote_bs = int(params["remote_block_size"])
-        except (KeyError, TypeError, ValueError):
-            log.warning("kvsidecar: %s: kv_transfer_params without a prefill", request.request_id)
-            return 0, False
-        problem = self._pull_problem(remote_bs, str(params.get("remote_layout", "")))
-        if problem is not None or self.conn.get() is None:
-            if problem is not None:
-                log.warning("kvsidecar: %s computes its prompt: %s", request.request_id, problem)
-            return 0, False
-        external = remote_tokens - num_computed_tokens
+        if not self.disaggregated or self.role == "kv_producer":
+            raise Ignored("disabled", "this engine does not pull prefills (disaggregated)")
+        pull = parse_remote_prefill(params, num_prompt_tokens=int(request.num_prompt_tokens))
+        request_prompt(request)  # refuses what a digest cannot name, before vLLM waits on it
+        problem = self._pull_problem(pull.block_size, pull.layout)
+        if problem is not None:
+            raise Ignored("inconsistent", problem)
+        client = self.conn.get()
+        if client is None or client.daemon is None:
+            return 0, False  # no daemon to pull through: computed here, not the params' fault
+        if pull.daemon_id != client.daemon.daemon_id and (
+            not pull.endpoint or pull.endpoint not in self.settings.peers
+        ):
+            raise Ignored(
+                "endpoint", f"{pull.endpoint[:80]!r} is neither this daemon nor one of peers"
+            )
+        external = pull.num_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
-        self._matched[request.request_id] = (num_computed_tokens // self.block_size, 0)
+        self._pending[request.request_id] = _Pending(
+            num_computed_tokens // self.block_size, pull=pull
+        )
         return external, True
 
     def _pull_problem(self, remote_bs: int, remote_layout: str) -> str | None:
@@ -188,18 +298,22 @@ class SchedulerSide:
     ) -> None:
         """Answer ``update_state_after_alloc``: queue the loads or the pull, start tracking."""
         rid = request.request_id
-        matched = self._matched.pop(rid, None)
-        params = request.kv_transfer_params or {}
+        self._ignored.discard(rid)
+        # Taken only once the load or pull is queued: `fail_alloc` needs it if this raises.
+        pending = self._pending.get(rid)
         blocks = list(block_ids)
-        if num_external_tokens > 0 and params.get("do_remote_prefill") and matched is not None:
-            self._queue_pull(request, blocks, matched[0], params)
+        if num_external_tokens > 0 and pending is not None and pending.pull is not None:
+            self._queue_pull(request, blocks, pending.local, pending.pull)
+            self._pending.pop(rid, None)
             return
         if rid in self._tracked and num_external_tokens == 0:
+            self._pending.pop(rid, None)
             return  # called again after an async load: nothing new
-        local = matched[0] if matched is not None else 0
+        local = pending.local if pending is not None else 0
         loaded = num_external_tokens // self.block_size
         if loaded:
             self._queue_load(request, blocks, local, loaded)
+        self._pending.pop(rid, None)
         if self.prefix_cache:
             self._tracked[rid] = _Tracked(request, blocks, stored=local + loaded)
 
@@ -215,29 +329,52 @@ class SchedulerSide:
                 pin_id = pin.pin_id
             except SidecarError as exc:
                 self.conn.away(f"pin: {exc}")  # the load will fail and be recomputed
+        self._awaiting[request.request_id] = set(range(self.tp_size))
         self._next.loads.append(
             LoadSpec(request.request_id, keys, blocks[local : local + count], pin_id)
         )
 
-    def _queue_pull(
-        self, request: RequestView, blocks: list[int], local: int, params: dict[str, Any]
-    ) -> None:
-        bs, remote_bs = self.block_size, int(params["remote_block_size"])
-        ratio = bs // remote_bs
-        n_local = -(-int(params["remote_num_tokens"]) // bs)
-        remote_ids = [int(b) for b in params["remote_block_ids"]][local * ratio :]
-        self._next.pulls.append(
+    def _queue_pull(self, request: Any, blocks: list[int], local: int, pull: RemotePrefill) -> None:
+        ratio = self.block_size // pull.block_size
+        n_local = -(-pull.num_tokens // self.block_size)
+        tokens, lora_name, salt = request_prompt(request)
+        self._next.pulls.append(  # last: a pull is queued whole or not at all (`fail_alloc`)
             PullSpec(
                 request_id=request.request_id,
-                remote_engine_id=str(params["remote_engine_id"]),
-                remote_request_id=str(params["remote_request_id"]),
-                remote_endpoint=str(params.get("remote_endpoint", "")),
-                remote_daemon_id=str(params.get("remote_daemon_id", "")),
-                remote_ids=remote_ids,
+                remote_engine_id=pull.engine_id,
+                remote_request_id=pull.request_id,
+                remote_endpoint=pull.endpoint,
+                remote_daemon_id=pull.daemon_id,
+                remote_ids=list(pull.block_ids[local * ratio :]),
                 local_ids=blocks[local:n_local],
+                prompt_digest=prompt_digest(tokens, lora_name=lora_name, cache_salt=salt),
             )
         )
-        params["do_remote_prefill"] = False  # loaded once, as vLLM's NIXL connector does
+        # Loaded once, as vLLM's NIXL connector does: a recomputed request does not pull again.
+        if request.kv_transfer_params is not None:
+            request.kv_transfer_params["do_remote_prefill"] = False
+
+    def fail_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """`after_alloc` raised: report the tokens vLLM counted as loaded as failed, store none.
+
+        vLLM has counted ``num_external_tokens`` as computed: the workers report their blocks as
+        load errors (a sync load, recomputed) or the request as received with every block
+        invalid (an asynchronous one, which vLLM would otherwise wait for forever).
+        """
+        rid = request.request_id
+        pending = self._pending.pop(rid, None)
+        self._tracked.pop(rid, None)
+        if num_external_tokens <= 0:
+            return
+        local = pending.local if pending is not None else 0
+        count = -(-num_external_tokens // self.block_size)
+        blocks = list(block_ids)[local : local + count]
+        if pending is not None and pending.pull is not None:
+            self._next.failed_pulls.append(PullSpec(rid, "", "", "", "", [], blocks))
+        else:
+            self._next.failed_loads.append(LoadSpec(rid, [], blocks))
 
     # ------------------------------------------------------------------ steps
 
@@ -253,10 +390,12 @@ class SchedulerSide:
             self._next,
             StepPlan(step=self._next.step + 1, fingerprint=self.fingerprint),
         )
+        self._building = plan
         plan.idle = not any(s.num_scheduled_tokens for s in scheduled)
         plan.freed = [*preempted, *finished]
         for rid in preempted:  # their blocks are gone; re-admission starts over
             self._tracked.pop(rid, None)
+            self._awaiting.pop(rid, None)
         bs = self.block_size
         for s in scheduled:
             tracked = self._tracked.get(s.request_id)
@@ -267,6 +406,8 @@ class SchedulerSide:
                     tracked.block_ids = list(s.new_block_ids)
                 else:
                     tracked.block_ids.extend(s.new_block_ids)
+            if self.tp_size > 1 and s.request_id in self._awaiting:
+                continue  # stored once every rank has confirmed its load
             hashes = tracked.request.block_hashes
             done = s.num_computed_tokens + s.num_scheduled_tokens
             full = min(done // bs, len(hashes), len(tracked.block_ids))
@@ -275,7 +416,47 @@ class SchedulerSide:
                 ids = tracked.block_ids[tracked.stored : full]
                 plan.stores.append(StoreSpec(keys, ids, s.request_id))
                 tracked.stored = full
+        self._building = None
         return plan
+
+    def fail_build(self, preempted: Sequence[str], finished: Sequence[str]) -> StepPlan:
+        """`build` raised: a plan whose loads and pulls fail, and which stores nothing.
+
+        Sends stay (their blocks are held until the workers report them); requests whose stores
+        this plan would have carried are not tracked any more (so nothing believed stored is not).
+        """
+        plan = self._building or self._next
+        if plan is self._next:
+            self._next = StepPlan(step=plan.step + 1, fingerprint=self.fingerprint)
+        self._building = None
+        for spec in plan.stores:
+            self._tracked.pop(spec.request_id, None)
+        return StepPlan(
+            step=plan.step,
+            fingerprint=plan.fingerprint,
+            sends=plan.sends,
+            freed=[*preempted, *finished],
+            failed_loads=[*plan.failed_loads, *plan.loads],
+            failed_pulls=[*plan.failed_pulls, *plan.pulls],
+        )
+
+    def confirm(self, outcomes: Iterable[tuple[int, str, bool]]) -> None:
+        """Learn how loads ended, rank by rank (the workers' metadata): ``(rank, request, ok)``.
+
+        A request whose load failed on any rank stores nothing more: what it computes after the
+        failed block depends on a block nobody wrote.
+        """
+        for rank, rid, ok in outcomes:
+            if not ok:
+                self._awaiting.pop(rid, None)
+                if self._tracked.pop(rid, None) is not None:
+                    log.info("kvsidecar: %s: a load failed, none of its blocks is stored", rid)
+                continue
+            ranks = self._awaiting.get(rid)
+            if ranks is not None:
+                ranks.discard(rank)
+                if not ranks:
+                    del self._awaiting[rid]
 
     def request_finished(
         self,
@@ -288,21 +469,30 @@ class SchedulerSide:
         """Answer ``request_finished``: publish a prefill for its decode engine, or let go."""
         rid = request.request_id
         self._tracked.pop(rid, None)
-        self._matched.pop(rid, None)
-        params = request.kv_transfer_params or {}
-        if not (params.get("do_remote_decode") and capped and self.role != "kv_consumer"):
+        self._pending.pop(rid, None)
+        self._awaiting.pop(rid, None)
+        self._ignored.discard(rid)
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        try:
+            if not self.disaggregated or self.role == "kv_consumer":
+                raise Ignored("disabled", "this engine does not publish prefills (disaggregated)")
+            if params.get("do_remote_decode") is not True:
+                raise Ignored("malformed", "do_remote_decode must be true")
+            tokens, lora_name, salt = request_prompt(request, num_computed_tokens)
+        except Ignored as why:
+            self.ignore(rid, why)
+            self._ignored.discard(rid)
+            return False, None
+        if not capped:
             return False, None
         client = self.conn.get()
         if client is None or client.daemon is None:
             return False, None
         blocks = [int(b) for b in block_ids[: -(-num_computed_tokens // self.block_size)]]
-        try:
-            client.publish(self.engine_id, rid, blocks, lease_s=self.settings.lease_s)
-        except SidecarError as exc:
-            self.conn.away(f"publish: {exc}")
-            return False, None
-        self._next.sends.append(rid)
-        return True, {
+        digest = prompt_digest(tokens, lora_name=lora_name, cache_salt=salt)
+        transfer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -314,3 +504,16 @@ class SchedulerSide:
             "remote_endpoint": client.daemon.peer_endpoint,
             "remote_daemon_id": client.daemon.daemon_id,
         }
+        try:
+            client.publish(
+                self.engine_id, rid, blocks, lease_s=self.settings.lease_s, prompt_digest=digest
+            )
+        except SidecarError as exc:
+            self.conn.away(f"publish: {exc}")
+            return False, None
+        self._next.sends.append(rid)
+        return True, transfer
+
+    def fail_finished(self, request: RequestView) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` raised: hold the blocks if they were published, else let go."""
+        return request.request_id in self._next.sends, None

@@ -27,6 +27,15 @@ class ConnectorSettings:
     dir), as for every kvsidecar client."""
     prefix_cache: bool | None = None
     """Share computed blocks through the daemon's prefix cache; None: on for ``kv_both``."""
+    disaggregated: bool | None = None
+    """Take part in disaggregated prefill: publish prefills asked for with ``do_remote_decode``
+    and pull those handed over with ``do_remote_prefill``. None: on for the roles
+    ``kv_producer`` and ``kv_consumer``, off for ``kv_both``, where such params from an API
+    client are ignored."""
+    peers: tuple[str, ...] = ()
+    """Peer endpoints (``tcp://host:port``) of the producer daemons this engine may pull from. A
+    prefill published through this engine's own daemon needs none; any other endpoint a request
+    names is ignored (the daemon would connect wherever an API client says)."""
     cache_bytes: int = 0
     """Size of this engine's cache namespace per rank when it creates it; 0: the daemon's share."""
     timeout_s: float = 10.0
@@ -71,6 +80,9 @@ class ConnectorSettings:
         for name in ("cache_bytes", "lease_s", "pull_timeout_s"):
             if getattr(settings, name) < 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be >= 0")
+        for peer in settings.peers:
+            if not peer.startswith(("tcp://", "ipc://")):
+                raise SettingsError(f"kvsidecar connector: peers: {peer!r} is no tcp:// endpoint")
         return settings
 
     @property
@@ -81,6 +93,10 @@ class ConnectorSettings:
 
 def _parse(key: str, raw: object, default: object) -> Any:
     """Check ``raw`` against the type of the field's default (bools are not numbers)."""
+    if isinstance(default, tuple):
+        if isinstance(raw, list | tuple) and all(isinstance(x, str) for x in raw):
+            return tuple(raw)
+        raise SettingsError(f"kvsidecar connector: {key} must be a list of strings, not {raw!r}")
     if default is None or isinstance(default, bool):
         if isinstance(raw, bool) or (default is None and raw is None):
             return raw

@@ -10,20 +10,27 @@ longer than the copies it needs:
   or preempted) the next forward may write it; so the stores of requests that vLLM freed since
   the last step must have copied their blocks first. Other stores go on while the engine
   computes. A store not done by its ``not_after`` is abandoned: the daemon throws a later copy
-  away, so a block that changed under it is never published;
+  away, so a block that changed under it is never published. Loads that timed out are fenced
+  the same way: a freed block must not be written by a late copy into it;
 - **loads** (``start_load_kv``): the prefix cache's blocks, submitted and waited for (this
   step's forward reads them); pulls of a disaggregated prefill, submitted and left running;
-- **stores** (``wait_for_save``): this step's full blocks, submitted without waiting;
+- **stores** (``wait_for_save``): this step's full blocks, submitted without waiting, except
+  for requests whose load failed on this rank (their later blocks were computed over blocks
+  nobody wrote: never stored until vLLM frees them);
 - **completions** (``get_finished``): pulls that ended, and published requests that their
-  consumer read (the daemon's events for this worker, ``take_worker_events``).
+  consumer read (the daemon's events for this worker, ``take_worker_events``). An event that
+  names a request this worker has not been told of yet (its plan comes a step later under
+  async scheduling) is kept until it is, for a while.
 
 Nothing here raises into vLLM: a daemon that is away or fails turns every load into a load error
 (vLLM recomputes those blocks), every store into nothing, every pull into a received request
-with invalid blocks, and every send into a finished one.
+with invalid blocks, and every send into a finished one. Each load's outcome also goes to the
+scheduler (`take_outcomes`), which stops storing a request whose load failed on any rank.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Collection, Mapping
@@ -33,7 +40,7 @@ import torch
 from kvsidecar.client import Pending, SidecarClient, SidecarError
 from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.layout import CacheLayout, share_storages
-from kvsidecar.integrations.vllm.plan import PullSpec, StepPlan
+from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.wire.cache import CacheLoaded, CacheStored
 from kvsidecar.wire.pulls import Pulled
@@ -44,6 +51,14 @@ log = logging.getLogger("vllm.kvsidecar")
 IDLE_WAIT_S = 0.005
 """In a step that computes nothing, how long to wait for a pull before handing back to vLLM
 (without it, an engine waiting for a transfer spins through empty steps)."""
+EARLY_EVENTS = 4096
+"""Completion events for requests not known yet, kept at most (the oldest go first)."""
+EARLY_EVENT_S = 600.0
+"""How long such an event waits for its request; past it, it is dropped and counted."""
+LOAD_FENCE_S = 1.0
+"""How long past its ``load_timeout_s`` the reply of a load is still awaited: the fence waits for
+it (the copy may have started) before the blocks it writes are freed. The daemon starts no copy
+after the load's ``not_after``, so a daemon that serves answers within this."""
 
 
 class WorkerSide:
@@ -69,18 +84,32 @@ class WorkerSide:
         self._reconnects = -1
         self._stores: list[tuple[Pending[CacheStored], set[str]]] = []
         """Stores in flight and the requests whose blocks each one reads."""
+        self._late_loads: list[tuple[Pending[CacheLoaded], str]] = []
+        """Loads that timed out here and may still copy, with their request."""
         self._pulls: list[tuple[list[PullSpec], Pending[Pulled] | None]] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
         """Sends given up on (the daemon went away): reported finished at the next call."""
+        self._early: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """``finished_sending`` for requests not in ``_sending`` yet, and when each came."""
+        self._tainted: set[str] = set()
+        """Requests whose load failed on this rank: nothing of theirs is stored until freed."""
+        self._outcomes: list[tuple[int, str, bool]] = []
         self._errors: set[int] = set()
-        self.counters = {"loaded_blocks": 0, "load_errors": 0, "stored_blocks": 0, "pulled": 0}
-        """Running totals (also in the shutdown log line)."""
+        self._failed: set[str] = set()
+        """Pulls that failed, reported with their ``finished_recving``."""
+        self._announced = False
+        self.counters: collections.Counter[str] = collections.Counter()
+        """Running totals of blocks (``loaded_blocks``, ``load_errors``, ``stored_blocks``,
+        ``not_stored``), ``pulled`` requests and ``events_dropped`` (also in the shutdown log)."""
 
     # ------------------------------------------------------------------ registration
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: CacheLayout) -> None:
-        """Share the engine's cache and connect (in the background if the daemon is away)."""
+        """Share the engine's cache and connect (in the background if the daemon is away).
+
+        Raises `SharedMemoryTooSmall` when the cache does not fit in ``/dev/shm``.
+        """
         self._kv_caches = dict(kv_caches)
         self.layout = layout
         share_storages(self._kv_caches)
@@ -108,6 +137,19 @@ class WorkerSide:
         )
         client.take_worker_events()  # subscribes this worker to its completion events
         self._reconnects = client.reconnects
+        if not self._announced:
+            self._announced = True
+            daemon = client.daemon
+            log.info(
+                "kvsidecar worker %d: cache on: daemon %s (%s), engine %s, %d layers registered "
+                "as %s",
+                self.tp_rank,
+                self.settings.daemon_endpoint,
+                "" if daemon is None else daemon.daemon_id,
+                self.engine_id,
+                len(self._kv_caches),
+                layout.name,
+            )
 
     def _client(self) -> SidecarClient | None:
         """Return the client if the daemon is reachable (re-subscribing after a restart)."""
@@ -129,16 +171,19 @@ class WorkerSide:
         """Leave the daemon (it releases our registration) and log the totals."""
         if self.conn is not None:
             self.conn.close()
-        log.info("kvsidecar worker %d: %s", self.tp_rank, self.counters)
+        log.info("kvsidecar worker %d: %s", self.tp_rank, dict(self.counters))
 
     # ------------------------------------------------------------------ step hooks
 
     def fence(self, freed: Collection[str]) -> None:
-        """Before a forward: finish the stores of the ``freed`` requests (see the module doc)."""
+        """Before a forward: finish the stores and late loads of the ``freed`` requests."""
+        gone = set(freed)
+        self._tainted -= gone  # re-admitted, they load and compute afresh
+        if self._late_loads:
+            self._fence_loads(gone)
         if not self._stores:
             return
         still = []
-        gone = set(freed)
         for store, requests in self._stores:
             if store.done():
                 self._count_store(store)
@@ -153,6 +198,22 @@ class WorkerSide:
             still.append((store, requests))
         self._stores = still
 
+    def _fence_loads(self, gone: set[str]) -> None:
+        still = []
+        for load, rid in self._late_loads:
+            if load.done():
+                continue
+            if rid in gone:
+                if not load.wait(LOAD_FENCE_S):
+                    log.warning(
+                        "kvsidecar: a timed-out load into %s's blocks has not ended; they are "
+                        "freed anyway",
+                        rid,
+                    )
+                continue
+            still.append((load, rid))
+        self._late_loads = still
+
     def _count_store(self, store: Pending[CacheStored]) -> None:
         try:
             self.counters["stored_blocks"] += store.result().stored
@@ -160,12 +221,20 @@ class WorkerSide:
             log.debug("store failed: %s", exc)
 
     def start_loads(self, plan: StepPlan) -> None:
-        """Submit the pulls, then load the prefix cache's blocks and wait for them."""
+        """Submit the pulls, then load the prefix cache's blocks and wait for them.
+
+        Should it raise, `fail_loads` reports what it did not settle.
+        """
+        for spec in plan.failed_loads:
+            self._settle_load(spec, None)
+        if plan.failed_pulls:
+            self._pulls.append((list(plan.failed_pulls), None))
         if not plan.loads and not plan.pulls:
             return  # most steps: nothing to ask the daemon
         client = self._client()
         self._submit_pulls(client, plan.pulls)
-        loads: list[tuple[list[int], Pending[CacheLoaded] | None]] = []
+        loads: list[tuple[LoadSpec, Pending[CacheLoaded] | None]] = []
+        deadline = time.monotonic() + self.settings.load_timeout_s
         for spec in plan.loads:
             pending = None
             if client is not None:
@@ -175,17 +244,40 @@ class WorkerSide:
                         spec.keys,
                         spec.block_ids,
                         pin_id=spec.pin_id,
-                        timeout=self.settings.load_timeout_s,
+                        timeout=self.settings.load_timeout_s + LOAD_FENCE_S,
+                        not_after=deadline,
                     )
                 except SidecarError as exc:
                     log.warning("kvsidecar: load not sent (%s): recomputing", exc)
-            loads.append((spec.block_ids, pending))
-        for block_ids, load in loads:
-            self._settle_load(block_ids, load)
+            loads.append((spec, pending))
+        for spec, load in loads:
+            self._settle_load(spec, load, deadline)
 
-    def _settle_load(self, block_ids: list[int], load: Pending[CacheLoaded] | None) -> None:
-        bad = set(block_ids)
-        if load is not None:
+    def fail_loads(self, plan: StepPlan) -> None:
+        """Answer closed for a `start_loads` that raised: nothing reported twice.
+
+        Every load of the plan not settled yet is a load error, every pull not submitted a
+        failed one.
+        """
+        submitted = {s.request_id for group, _ in self._pulls for s in group}
+        missing = [s for s in (*plan.pulls, *plan.failed_pulls) if s.request_id not in submitted]
+        if missing:
+            self._pulls.append((missing, None))
+        settled = {rid for _, rid, _ in self._outcomes}
+        for spec in (*plan.loads, *plan.failed_loads):
+            if spec.request_id not in settled:
+                self._settle_load(spec, None)
+
+    def _settle_load(
+        self, spec: LoadSpec, load: Pending[CacheLoaded] | None, deadline: float = 0.0
+    ) -> None:
+        bad = set(spec.block_ids)
+        if load is not None and not load.wait(deadline - time.monotonic()):
+            log.warning(
+                "kvsidecar: load of %d blocks not done in load_timeout_s: recomputing", len(bad)
+            )
+            self._late_loads.append((load, spec.request_id))
+        elif load is not None:
             try:
                 reply = load.result()
                 bad = set(reply.missing_block_ids)
@@ -194,19 +286,28 @@ class WorkerSide:
                 log.warning("kvsidecar: load of %d blocks failed (%s): recomputing", len(bad), exc)
         self.counters["load_errors"] += len(bad)
         self._errors.update(bad)
+        self._outcomes.append((self.tp_rank, spec.request_id, not bad))
+        if bad:
+            self._tainted.add(spec.request_id)
 
     def store(self, plan: StepPlan) -> None:
         """After the forward: submit this step's stores; note the requests it must send."""
         self._sending.update(plan.sends)
-        if not plan.stores:
+        if self._early and plan.sends:
+            self._match_early()
+        specs = [s for s in plan.stores if s.request_id not in self._tainted]
+        for spec in plan.stores:
+            if spec.request_id in self._tainted:
+                self.counters["not_stored"] += len(spec.block_ids)
+        if not specs:
             return
         client = self._client()
         if client is None:
             return
-        keys = [k for spec in plan.stores for k in spec.keys]
-        block_ids = [b for spec in plan.stores for b in spec.block_ids]
+        keys = [k for spec in specs for k in spec.keys]
+        block_ids = [b for spec in specs for b in spec.block_ids]
         not_after = time.monotonic() + self.settings.store_wait_s
-        requests = {spec.request_id for spec in plan.stores}
+        requests = {spec.request_id for spec in specs}
         try:
             store = client.submit_cache_store(
                 plan.fingerprint,
@@ -220,15 +321,24 @@ class WorkerSide:
         except SidecarError as exc:
             log.debug("store not sent: %s", exc)
 
-    def finished(self, *, idle: bool) -> tuple[set[str], set[str]]:
-        """Return the requests that finished sending and receiving since the last call."""
+    def finished(self, *, idle: bool) -> tuple[set[str], set[str], set[str]]:
+        """Return the requests that finished sending, receiving, and failed receiving.
+
+        Since the last call; the failed ones are among the received ones.
+        """
         recving = self._finished_pulls(idle)
-        return self._finished_sends(), recving
+        failed, self._failed = self._failed & recving, self._failed - recving
+        return self._finished_sends(), recving, failed
 
     def take_load_errors(self) -> set[int]:
         """Return (and forget) the blocks that failed to load: vLLM recomputes them."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_outcomes(self) -> list[tuple[int, str, bool]]:
+        """Return (and forget) this step's load outcomes: ``(rank, request, loaded whole)``."""
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
 
     # ------------------------------------------------------------------ pulls and sends
 
@@ -251,6 +361,7 @@ class WorkerSide:
                         tp_rank=self.tp_rank,
                         timeout_s=self.settings.pull_timeout_s,
                         remote_request_ids={s.request_id: s.remote_request_id for s in group},
+                        prompt_digests={s.request_id: s.prompt_digest for s in group},
                     )
                 except SidecarError as exc:
                     log.warning("kvsidecar: pull not sent (%s): recomputing", exc)
@@ -272,11 +383,14 @@ class WorkerSide:
                     reply = pending.result()
                     failed = set(reply.failed)
                     invalid = set(reply.invalid_block_ids)
+                    if reply.error:
+                        log.warning("kvsidecar: pull failed (%s): recomputing", reply.error)
                 except SidecarError as exc:
                     log.warning("kvsidecar: pull failed (%s): recomputing", exc)
             self.counters["pulled"] += len(group) - len(failed)
             self.counters["load_errors"] += len(invalid)
             self._errors.update(invalid)
+            self._failed |= failed
         self._pulls = still
         return recving
 
@@ -292,11 +406,26 @@ class WorkerSide:
                     log.warning("kvsidecar: events not read (%s): releasing published blocks", exc)
                     self._release_sends()
                 else:
-                    done = {r for e in events for r in e.finished_sending} & self._sending
-                    self._sending -= done
-                    self._released |= done
+                    now = time.monotonic()
+                    for e in events:
+                        for rid in e.finished_sending:
+                            self._early[rid] = now
+                    self._match_early()
         released, self._released = self._released, set()
         return released
+
+    def _match_early(self) -> None:
+        """Match completion events to known sends; keep the others a while, within a bound."""
+        for rid in self._sending.intersection(self._early):
+            del self._early[rid]
+            self._sending.discard(rid)
+            self._released.add(rid)
+        horizon = time.monotonic() - EARLY_EVENT_S
+        while self._early and (
+            len(self._early) > EARLY_EVENTS or next(iter(self._early.values())) < horizon
+        ):
+            self._early.popitem(last=False)
+            self.counters["events_dropped"] += 1
 
     def _release_sends(self) -> None:
         self._released |= self._sending
