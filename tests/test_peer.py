@@ -261,7 +261,7 @@ def test_a_pull_reads_only_the_blocks_published_for_its_prompt(
     requests, _ = _ids("same_tp")
     ok_id = next(iter(requests))
     remote, local = requests[ok_id]
-    spare = [b for b in range(BASE["blocks"]) if b not in remote][0]
+    spare = next(b for b in range(BASE["blocks"]) if b not in remote)
     with (
         SidecarClient(cluster.prod.config.endpoint) as pc,
         SidecarClient(cluster.cons.config.endpoint) as cc,

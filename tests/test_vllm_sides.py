@@ -390,3 +390,309 @@ def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
         side.close()
         prod.close()
         cons.close()
+
+
+# ------------------------------------------------------------------ hostile kv_transfer_params
+
+HOSTILE: list[tuple[str, dict[str, Any], str]] = [
+    # (what, the params, the reason they are ignored)
+    ("no keys", {"do_remote_prefill": True}, "malformed"),
+    ("flag not a bool", handover(40, 4, do_remote_prefill="yes"), "malformed"),
+    ("tokens as a string", handover(40, 4, remote_num_tokens="40"), "malformed"),
+    ("tokens a bool", handover(40, 4, remote_num_tokens=True), "malformed"),
+    ("tokens past the prompt", handover(41, 4), "inconsistent"),
+    ("tokens short of the prompt", handover(39, 4), "inconsistent"),
+    ("tokens negative", handover(40, 4, remote_num_tokens=-1), "malformed"),
+    ("tokens huge", handover(40, 4, remote_num_tokens=1 << 62), "malformed"),
+    ("block size 0", handover(40, 4, remote_block_size=0), "malformed"),
+    ("block size not dividing ours", handover(40, 3), "inconsistent"),
+    ("ids not a list", handover(40, 4, remote_block_ids="1,2"), "malformed"),
+    ("ids too few", handover(40, 4, remote_block_ids=[1, 2]), "inconsistent"),
+    ("ids too many", handover(40, 4, remote_block_ids=list(range(11))), "inconsistent"),
+    ("ids repeated", handover(40, 4, remote_block_ids=[1] * 10), "inconsistent"),
+    ("an id negative", handover(40, 4, remote_block_ids=[-1, *range(9)]), "malformed"),
+    ("an id huge", handover(40, 4, remote_block_ids=[1 << 40, *range(9)]), "malformed"),
+    ("an id a float", handover(40, 4, remote_block_ids=[1.0, *range(1, 10)]), "malformed"),
+    ("no engine", handover(40, 4, remote_engine_id=""), "malformed"),
+    ("engine not a string", handover(40, 4, remote_engine_id=7), "malformed"),
+    ("request id of 1 MB", handover(40, 4, remote_request_id="x" * (1 << 20)), "malformed"),
+    ("unknown layout", handover(40, 4, remote_layout="hnd-of-my-own"), "malformed"),
+    ("another layout", handover(40, 4, remote_layout="kv_first"), "inconsistent"),
+    ("metadata service", handover(40, 4, remote_endpoint="tcp://169.254.169.254:80"), "endpoint"),
+    ("loopback port", handover(40, 4, remote_endpoint="tcp://127.0.0.1:22"), "endpoint"),
+    ("no endpoint, other daemon", handover(40, 4, remote_daemon_id="elsewhere"), "endpoint"),
+]
+
+
+@pytest.mark.parametrize("what,params,reason", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_params_are_ignored_before_vllm_is_told_to_wait(
+    daemon: DaemonProcess, what: str, params: dict[str, Any], reason: str
+) -> None:
+    """Each is answered as a request without params (a prefix-cache lookup, synchronous), counted
+    under its reason; no pull is planned, so vLLM never puts the request in
+    WAITING_FOR_REMOTE_KVS and no daemon connects anywhere."""
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint, peers=("tcp://10.0.0.2:7000",))
+    side = scheduler(settings)
+    side.start()
+    side.layout = "vllm_cpu"
+    try:
+        req = Req("hostile", [bytes([i]) * 32 for i in range(9)], 40, params)
+        assert side.lookup(req, 0) == (0, False), what
+        assert side.counters == {f"ignored:{reason}": 1}, (what, side.counters)
+        side.after_alloc(req, list(range(10)), 0)
+        plan = side.build([Scheduled("hostile", 0, 40, None)], [])
+        assert plan.pulls == [] and plan.failed_pulls == [] and plan.loads == []
+        assert [s.request_id for s in plan.stores] == ["hostile"]  # computed here, stored
+    finally:
+        side.close()
+
+
+def test_a_valid_hand_over_waits_for_its_pull_and_names_the_prompt(daemon: DaemonProcess) -> None:
+    """The control of the hostile cases: the same params, whole, make an asynchronous load."""
+    daemon_id = _daemon_id(daemon)
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint, peers=("tcp://10.0.0.2:7000",))
+    side = scheduler(settings)
+    side.start()
+    side.layout = "vllm_cpu"
+    try:
+        for rid, params in (
+            ("local", handover(40, 4, remote_daemon_id=daemon_id)),
+            ("peer", handover(40, 4, remote_endpoint="tcp://10.0.0.2:7000")),
+            ("ratio", handover(40, 2, remote_daemon_id=daemon_id)),
+        ):
+            req = Req(rid, [], 40, params, prompt=list(range(100, 140)))
+            assert side.may_load_async(req)
+            assert side.lookup(req, 0) == (40, True), rid
+            side.after_alloc(req, list(range(10)), 40)
+            assert params["do_remote_prefill"] is False  # pulled once, never again
+        plan = side.build([], [])
+        digest = prompt_digest(list(range(100, 140)))
+        assert [(p.request_id, p.prompt_digest, len(p.remote_ids)) for p in plan.pulls] == [
+            ("local", digest, 10),
+            ("peer", digest, 10),
+            ("ratio", digest, 20),
+        ]
+        assert side.counters == {}
+    finally:
+        side.close()
+
+
+def test_an_engine_without_disaggregated_prefill_ignores_every_hand_over(
+    daemon: DaemonProcess,
+) -> None:
+    """The prefix-cache recipe (kv_both): neither pulls nor publishes, whatever a client sends."""
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint)
+    side = scheduler(settings, disaggregated=False)
+    side.start()
+    side.layout = "vllm_cpu"
+    try:
+        pull = Req("d", [], 40, handover(40, 4, remote_daemon_id=_daemon_id(daemon)))
+        assert not side.may_load_async(pull)
+        assert side.lookup(pull, 0) == (0, False)
+        prefill = Req("p", [], 8, {"do_remote_decode": True})
+        assert side.request_finished(prefill, [1, 2], num_computed_tokens=8, capped=True) == (
+            False,
+            None,
+        )
+        assert side.counters == {"ignored:disabled": 2}
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert c.status().published_requests == 0
+    finally:
+        side.close()
+
+
+def test_prompts_the_digest_cannot_name_are_not_handed_over(daemon: DaemonProcess) -> None:
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint)
+    side = scheduler(settings)
+    side.start()
+    try:
+        embeds = Req("e", [], 8, {"do_remote_decode": True}, prompt_embeds=torch.zeros(8, 4))
+        images = Req("i", [], 8, {"do_remote_decode": True}, mm_features=["an image"])
+        for req in (embeds, images):
+            assert side.request_finished(req, [1, 2], num_computed_tokens=8, capped=True) == (
+                False,
+                None,
+            )
+        assert side.counters == {"ignored:unsupported": 2}
+    finally:
+        side.close()
+
+
+# -------------------------------------------------------- nothing computed over a failed load
+
+
+def test_a_failed_load_stores_nothing_computed_after_it(daemon: DaemonProcess) -> None:
+    """Block 1 of a request fails to load; the blocks the same step computed are not stored,
+    nor those of later steps, until vLLM frees the request; the scheduler learns the outcome."""
+    a, _ = worker(daemon, "a")
+    b, _ = worker(daemon, "b")
+    cached = [b"\x31" * 32, b"\x32" * 32]
+    later = [b"\x41" * 32, b"\x42" * 32]
+    try:
+        a.store(StepPlan(1, "fp", stores=[StoreSpec(cached[:1], [3], "r")]))
+        a.fence(["r"])
+        step = StepPlan(
+            2,
+            "fp",
+            loads=[LoadSpec("r", cached, [5, 6])],  # the second key was never stored
+            stores=[StoreSpec(later[:1], [7], "r")],
+        )
+        b.start_loads(step)
+        assert b.take_load_errors() == {6}
+        b.store(step)
+        assert b.take_outcomes() == [(0, "r", False)]
+        b.store(StepPlan(3, "fp", stores=[StoreSpec(later[1:], [8], "r")]))
+        b.fence(["r"])  # freed: its stores are done
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert c.cache_lookup("fp", later[:1]).hits == 0
+            assert c.cache_lookup("fp", later[1:]).hits == 0
+        assert b.counters["not_stored"] == 2
+        # Re-admitted after its blocks were freed, it loads afresh: its stores go through.
+        good = StepPlan(
+            4, "fp", loads=[LoadSpec("r", cached[:1], [5])], stores=[StoreSpec(later[:1], [7], "r")]
+        )
+        b.start_loads(good)
+        b.store(good)
+        assert b.take_outcomes() == [(0, "r", True)]
+        b.fence(["r"])
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert c.cache_lookup("fp", later[:1]).hits == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def _loading(side: SchedulerSide, rid: str, hashes: list[bytes]) -> Req:
+    """A request admitted with the daemon holding its first two blocks (a sync load)."""
+    req = Req(rid, hashes, 24)
+    side.after_alloc(req, [10, 11, 12, 13, 14, 15], 8)  # 8 tokens = 2 blocks of 4 loaded
+    return req
+
+
+def test_a_request_whose_load_failed_on_any_rank_stores_nothing_more() -> None:
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    # TP 1: the worker knows its own outcome in the step: stores go out with the load (the
+    # worker drops them if it failed); a failure reported stops later stores.
+    one = scheduler(tp_size=1)
+    _loading(one, "r", hashes)
+    plan = one.build([Scheduled("r", 8, 12, None)], [])
+    assert [s.keys for s in plan.loads] == [hashes[:2]]
+    assert [s.keys for s in plan.stores] == [hashes[2:5]]
+    one.confirm([(0, "r", False)])
+    assert one.build([Scheduled("r", 20, 4, None)], []).stores == []
+    # TP 2: one rank cannot know the other's outcome: stores wait for both ranks.
+    two = scheduler(tp_size=2)
+    _loading(two, "ok", hashes)
+    _loading(two, "bad", hashes)
+    plan = two.build([Scheduled("ok", 8, 12, None), Scheduled("bad", 8, 12, None)], [])
+    assert len(plan.loads) == 2 and plan.stores == []
+    two.confirm([(0, "ok", True), (0, "bad", True)])
+    assert two.build([Scheduled("ok", 20, 1, None), Scheduled("bad", 20, 1, None)], []).stores == []
+    two.confirm([(1, "ok", True), (1, "bad", False)])
+    plan = two.build([Scheduled("ok", 21, 3, None), Scheduled("bad", 21, 3, None)], [])
+    assert [(s.request_id, s.keys) for s in plan.stores] == [("ok", hashes[2:6])]
+
+
+# ------------------------------------------------------------------ hooks that fail answer closed
+
+
+def test_a_failed_hook_turns_planned_loads_into_load_errors_and_pulls_into_failures(
+    daemon: DaemonProcess,
+) -> None:
+    """`fail_alloc` and `fail_build` (a hook raised on a bug): vLLM has counted the tokens as
+    loaded, so the workers report them, without asking the daemon; sends stay held."""
+    side = scheduler(ConnectorSettings(endpoint=daemon.config.endpoint))
+    side.start()
+    b, _ = worker(daemon, "b")
+    try:
+        req = Req("sync", [bytes([i]) * 32 for i in range(6)], 24)
+        side.fail_alloc(req, [10, 11, 12, 13, 14, 15], 8)  # two blocks were to be loaded
+        pull = Req("async", [], 40, handover(40, 4, remote_daemon_id=_daemon_id(daemon)))
+        side.layout = "vllm_cpu"
+        assert side.lookup(pull, 0) == (40, True)
+        side.fail_alloc(pull, list(range(20, 30)), 40)
+        plan = side.build([], [])
+        assert [s.block_ids for s in plan.failed_loads] == [[10, 11]]
+        assert [s.local_ids for s in plan.failed_pulls] == [list(range(20, 30))]
+        b.start_loads(plan)
+        assert b.take_load_errors() == {10, 11}
+        assert b.take_outcomes() == [(0, "sync", False)]
+        assert b.finished(idle=True) == (set(), {"async"}, {"async"})
+        assert b.take_load_errors() == set(range(20, 30))
+        # build_connector_meta raised: what was queued fails, the published request stays held.
+        _loading(side, "queued", [bytes([i]) * 32 for i in range(6)])
+        side._next.sends.append("published")
+        failed = side.fail_build(["pre"], ["fin"])
+        assert [s.request_id for s in failed.failed_loads] == ["queued"]
+        assert failed.sends == ["published"] and failed.freed == ["pre", "fin"]
+        assert failed.stores == [] and failed.loads == []
+        side._next.sends.append("p2")
+        assert side.fail_finished(Req("p2", [], 8)) == (True, None)  # published: held
+        assert side.fail_finished(Req("never", [], 8)) == (False, None)
+        # A worker hook that raised half-way reports what it did not settle, once.
+        again = StepPlan(9, "fp", loads=[LoadSpec("x", [b"\x01" * 32], [4])])
+        b.fail_loads(again)
+        b.fail_loads(again)
+        assert b.take_load_errors() == {4} and b.take_outcomes() == [(0, "x", False)]
+    finally:
+        side.close()
+        b.close()
+
+
+# ------------------------------------------------------------------ completions never lost
+
+
+def test_a_send_read_before_its_plan_reached_the_worker_is_still_reported(
+    daemon: DaemonProcess,
+) -> None:
+    """Async scheduling: a prefill is published and read by its consumer while the producer's
+    worker still waits for the plan naming the send. Its event, taken along with another send's,
+    is kept, and reported once the plan comes; vLLM frees the blocks."""
+    prod, _ = worker(daemon, "prod")
+    cons, _ = worker(daemon, "cons")
+    try:
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as sched:
+            sched.publish("prod", "other", [1])
+            sched.publish("prod", "early", [2])
+        prod.store(StepPlan(1, "fp", sends=["other"]))  # "early" is in the next plan
+        pull = PullSpec("early-d", "prod", "early", "", _daemon_id(daemon), [2], [6])
+        cons.start_loads(StepPlan(1, "fp", pulls=[pull]))
+        deadline = time.monotonic() + 10
+        while not cons.finished(idle=True)[1] and time.monotonic() < deadline:
+            pass
+        sent: set[str] = set()
+        while time.monotonic() < deadline and not prod._early:  # the event of "early" came
+            sent |= prod.finished(idle=True)[0]
+        assert "early" in prod._early and "early" not in sent
+        prod.store(StepPlan(2, "fp", sends=["early"]))
+        sent |= prod.finished(idle=False)[0]
+        assert "early" in sent
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_events_for_sends_never_known_are_kept_within_a_bound() -> None:
+    side = WorkerSide(ConnectorSettings(), engine_id="e", tp_rank=0, tp_size=1, model_hash="")
+    old = time.monotonic() - 1e6
+    side._early.update((f"old-{i}", old) for i in range(3))
+    now = time.monotonic()
+    side._early.update((f"new-{i}", now) for i in range(5000))
+    side._match_early()
+    assert len(side._early) == 4096 and "old-0" not in side._early
+    assert side.counters["events_dropped"] == 3 + 5000 - 4096
+
+
+# ------------------------------------------------------------------ reset_cache
+
+
+def test_a_reset_cache_moves_the_engine_to_a_namespace_of_its_own() -> None:
+    side = scheduler()
+    _loading(side, "before", [bytes([i]) * 32 for i in range(6)])
+    side.reset()
+    plan = side.build([Scheduled("before", 8, 16, None)], [])
+    assert plan.fingerprint != "fp" and plan.fingerprint.startswith("fp~")
+    assert plan.stores == []  # computed before the reset: never stored under the new one
+    other = scheduler()
+    other.reset()
+    assert other.fingerprint != plan.fingerprint  # two resets never share a namespace
