@@ -21,11 +21,9 @@ both). And vLLM's own CPU kernels pack blocks as tests/support/vllm_layout.py's 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -46,6 +44,7 @@ from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, make_config
 from tests.support.ports import tcp_endpoint
 from tests.support.prometheus import scrape
+from tests.support.vllm_serve import block_hashes, tokens
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -58,11 +57,6 @@ pytestmark = [
 
 BLOCK_BYTES = 2 * 2 * 32 * 64 * 2
 """One 32-token block of the test model: 2 layers x 2 KV heads x 32 tokens x (K + V of 32) bf16."""
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """A deterministic prompt of ``n`` token ids in 3..1002 (the model's vocabulary is 1024)."""
-    return [(i * (2 * seed + 31) + 7 * seed + 11) % 1000 + 3 for i in range(n)]
 
 
 PREFIX = tokens(1, 200)
@@ -282,17 +276,6 @@ def metric(daemon: DaemonProcess, name: str, **labels: str) -> float:
     with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
         port = c.daemon.metrics_port if c.daemon is not None else 0
     return scrape(port).get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def block_hashes(prompt: list[int], block_size: int = 32) -> list[bytes]:
-    """vLLM's default (sha256) block hashes of a prompt's full blocks, computed independently."""
-    parent = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
-    out = []
-    for start in range(0, len(prompt) - block_size + 1, block_size):
-        block = tuple(prompt[start : start + block_size])
-        parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
-        out.append(parent)
-    return out
 
 
 def test_a_prefix_computed_by_one_engine_is_loaded_by_another(

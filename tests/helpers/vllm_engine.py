@@ -44,8 +44,33 @@ CONFIG = {
 }
 
 
+def make_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Write a tokenizer for ``vllm serve``: the word ``t<i>`` is token ``i`` (0, 1, 2 are
+    ``<unk>``, ``<s>``, ``</s>``), words split on spaces, so that any token ids decode to a text
+    that encodes back to the same ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>"}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces, nothing else
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": CONFIG["max_position_embeddings"],
+                "add_bos_token": False,
+                **special,
+            }
+        )
+    )
+
+
 def make_model(directory: Path, config: dict[str, Any] = CONFIG) -> None:
-    """Write ``config.json`` and ``model.safetensors`` of N(0, sigma) weights, seed 0."""
+    """Write ``config.json``, ``model.safetensors`` of N(0, sigma) weights (seed 0), and a
+    tokenizer (`make_tokenizer`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -83,6 +108,7 @@ def make_model(directory: Path, config: dict[str, Any] = CONFIG) -> None:
             }
         )
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    make_tokenizer(directory, config["vocab_size"])
 
 
 def build(spec: dict[str, Any]) -> Any:
