@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvsidecar.client import SidecarClient
+from kvsidecar.client import SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
 from tests.support import ROOT
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
@@ -193,3 +193,17 @@ def test_another_user_sees_no_cache_and_pulls_nothing() -> None:
             assert out["pull"] == "forbidden"
             assert mine.cache_lookup("fp", [k_theirs]).hits == 0  # theirs is not visible to me
             assert mine.cache_lookup("fp", [k_mine]).hits == 1
+
+
+def test_a_prompt_digest_longer_than_its_limit_is_refused(daemon: DaemonProcess) -> None:
+    with engine(daemon.config.endpoint, "prod-long", (2, 16, 4, 2, 8), "kv_first") as p:
+        for call in (
+            lambda: p.publish("prod-long", "r", [1], prompt_digest="x" * 129),
+            lambda: p.submit_pull(
+                "prod-long", "", "prod-long", {"r": ([1], [2])}, prompt_digests={"r": "x" * 129}
+            ).result(),
+        ):
+            with pytest.raises(SidecarError) as err:
+                call()
+            assert err.value.code == "invalid_message" and "128" in err.value.message
+        p.publish("prod-long", "r", [1], prompt_digest="x" * 128)  # the limit itself is fine

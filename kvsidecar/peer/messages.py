@@ -23,7 +23,7 @@ from typing import Literal
 import msgspec
 
 from kvsidecar.core.topology import EngineTransferInfo
-from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder
+from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder, PromptDigest
 
 PEER_PROTOCOL_VERSION = 3
 """Bumped on any incompatible change of the messages below (3: a handshake names the requests
@@ -100,7 +100,7 @@ class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_id: str
     request_id: str
     block_ids: list[int]
-    prompt_digest: str = ""
+    prompt_digest: PromptDigest = ""
 
 
 class PeerHello(_PeerRequest, tag="peer_hello", frozen=True):

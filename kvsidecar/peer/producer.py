@@ -47,8 +47,6 @@ lost notification does, and a peer sending notifications for made-up requests ca
 daemon's memory without bound."""
 _MAX_READERS = 1024
 """Readers counted per producer rank of one request (more than any real TP x DCP fan-in)."""
-MAX_DIGEST = 128
-"""Longest ``prompt_digest`` accepted (the vLLM connector's are 64 hex digits)."""
 
 
 @dataclass(eq=False)
@@ -94,8 +92,6 @@ class Producer:
         engine = self.registry.engine(req.engine_id)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _num_blocks(engine)):
             raise SidecarError("out_of_range", "published block ids outside the engine's cache")
-        if len(req.prompt_digest) > MAX_DIGEST:
-            raise SidecarError("invalid_message", f"prompt_digest longer than {MAX_DIGEST}")
         lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
         key = (req.engine_id, req.request_id)
         held = self._held.setdefault(key, _Held(deadline=0.0, published=True))

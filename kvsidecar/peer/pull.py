@@ -45,7 +45,6 @@ from kvsidecar.peer.messages import (
 )
 from kvsidecar.peer.plan import I64, PlanError, RankPlan, plan_rank
 from kvsidecar.peer.planes import DataPlane, ReadTarget
-from kvsidecar.peer.producer import MAX_DIGEST
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Reply
@@ -96,8 +95,6 @@ def check_pull(
     )
     if any(it.num_remote < 0 or it.num_local < 0 for it in req.items):
         raise SidecarError("invalid_message", "negative id counts")
-    if any(len(it.prompt_digest) > MAX_DIGEST for it in req.items):
-        raise SidecarError("invalid_message", f"prompt_digest longer than {MAX_DIGEST}")
     if (
         sum(it.num_remote for it in req.items) != remote_ids.size
         or sum(it.num_local for it in req.items) != local_ids.size

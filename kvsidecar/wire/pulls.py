@@ -15,7 +15,7 @@ import msgspec
 from kvsidecar.wire.bases import ReplyBase as _Reply
 from kvsidecar.wire.bases import RequestBase as _Request
 from kvsidecar.wire.reports import PeerCompletion
-from kvsidecar.wire.types import IdsDtype, Medium
+from kvsidecar.wire.types import IdsDtype, Medium, PromptDigest
 
 
 class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -33,7 +33,7 @@ class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_remote: int
     num_local: int
     remote_request_id: str = ""
-    prompt_digest: str = ""
+    prompt_digest: PromptDigest = ""
 
 
 class Pull(_Request, tag="pull", frozen=True):
@@ -73,7 +73,7 @@ class Publish(_Request, tag="publish", frozen=True):
     request_id: str
     lease_s: float = 0.0
     ids_dtype: IdsDtype = "int64"
-    prompt_digest: str = ""
+    prompt_digest: PromptDigest = ""
 
 
 class TakePeerEvents(_Request, tag="take_peer_events", frozen=True):

@@ -6,7 +6,7 @@ handles). Schema evolution follows msgspec's rules, as in `kvsidecar.wire.protoc
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -56,6 +56,10 @@ IdsDtype = Literal["int32", "int64"]
 Medium = Literal["device", "host"]
 """Which buffer set of a worker: its registered KV cache (``device``, whether GPU memory or CPU
 shared memory) or its mirror region in the daemon's host pool (``host``)."""
+
+PromptDigest = Annotated[str, msgspec.Meta(max_length=128)]
+"""A digest naming the prompt whose KV a published request's blocks hold (the vLLM connector's:
+64 hex digits of sha256); "" for none."""
 
 
 class WorkerRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
