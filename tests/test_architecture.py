@@ -146,8 +146,15 @@ def test_nothing_imports_the_integrations() -> None:
     assert not broken, "\n".join(sorted(broken))
 
 
+VLLM_FACING = {"kvsidecar.integrations.vllm.connector", "kvsidecar.integrations.vllm.metrics"}
+"""The modules that import vLLM: the connector and its metrics, which only the connector uses."""
+
+
 def test_only_the_vllm_connector_imports_vllm() -> None:
-    """vLLM lives in its own venv: one module of the package may import it, lazily loaded."""
+    """vLLM lives in its own venv: the package imports without it. Only the connector (which
+    ``kvsidecar.integrations.vllm`` loads lazily) and the metrics only it imports use vLLM."""
+    users = {m for m, (imports, _) in GRAPH.items() if imports & VLLM_FACING} - VLLM_FACING
+    assert users <= {"kvsidecar.integrations.vllm"}, users
     importers = set()
     for module, _path, tree in _modules():
         for node in ast.walk(tree):
@@ -158,7 +165,7 @@ def test_only_the_vllm_connector_imports_vllm() -> None:
                 names = [node.module or ""]
             if any(n == "vllm" or n.startswith("vllm.") for n in names):
                 importers.add(module)
-    assert importers == {"kvsidecar.integrations.vllm.connector"}
+    assert importers == VLLM_FACING
 
 
 def test_only_the_cli_imports_bench() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -40,15 +39,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.integrations.vllm import metrics
-from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
+from kvsidecar.integrations.vllm.cpu_kernels import CpuKernels, cpu_packing, request_amx
+from kvsidecar.integrations.vllm.engine_config import cache_facts, check_supported
+from kvsidecar.integrations.vllm.keys import shareable_hashes
 from kvsidecar.integrations.vllm.layout import SharedMemoryTooSmall, detect_layout
 from kvsidecar.integrations.vllm.plan import StepPlan
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
-from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
+from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.integrations.vllm.worker import WorkerSide
-from kvsidecar.wire.types import Arrangement
 
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
@@ -118,165 +117,14 @@ def _nothing(connector: KVSidecarConnector, *args: Any, **kwargs: Any) -> Any:
     return None
 
 
-def _facts(vllm_config: Any) -> CacheFacts:
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    return CacheFacts(
-        model=str(model.model),
-        revision=str(model.revision or ""),
-        dtype=str(model.dtype),
-        cache_dtype=str(cache.cache_dtype),
-        block_size=int(cache.block_size),
-        kv_cache_layout=str(getattr(cache, "kv_cache_layout", "") or ""),
-        num_kv_heads=int(model.get_num_kv_heads(parallel)),
-        head_size=int(model.get_head_size()),
-        num_layers=int(model.get_num_layers(parallel)),
-        tp_size=int(parallel.tensor_parallel_size),
-        hash_algo=str(cache.prefix_caching_hash_algo),
-        device=str(getattr(vllm_config.device_config, "device_type", "")),
-        weights=_weights_digest(vllm_config),
-    )
-
-
-def _weights_digest(vllm_config: Any) -> str:
-    """Digest of the settings beyond the model's name that change what its KV blocks hold.
-
-    The model's whole configuration (architecture, RoPE scaling, sliding windows ...) with
-    ``hf_overrides`` applied, its quantization and implementation, the cache's skipped layers
-    and KV-scale settings, and vLLM's version (kernels change the bytes they write).
-    """
-    import vllm
-
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    try:
-        hf_config = model.hf_config.to_json_string(use_diff=False)
-    except Exception:  # a config that does not serialise: its repr still tells them apart
-        hf_config = repr(model.hf_config)
-    facts = [
-        hf_config,
-        str(getattr(model, "quantization", None)),
-        repr(getattr(model, "hf_overrides", None)),
-        str(getattr(model, "model_impl", "")),
-        str(getattr(model, "code_revision", None)),
-        repr(getattr(cache, "kv_cache_dtype_skip_layers", None)),
-        repr(getattr(cache, "calculate_kv_scales", None)),
-        str(getattr(vllm, "__version__", "")),
-    ]
-    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:32]
-
-
-def check_supported(vllm_config: Any) -> None:
-    """Refuse at start what the connector cannot do right: `SettingsError` says why.
-
-    Pipeline parallelism and decode context parallelism (one rank does not hold a block's
-    every layer, or every token), and a prefix cache for models vLLM does not cache prefixes
-    of (non-causal attention: a block's KV depends on tokens after it).
-    """
-    parallel = vllm_config.parallel_config
-    pp = int(getattr(parallel, "pipeline_parallel_size", 1))
-    dcp = int(getattr(parallel, "decode_context_parallel_size", 1))
-    if pp > 1:
-        raise SettingsError(
-            f"kvsidecar connector: pipeline parallelism ({pp} stages) is not supported: each "
-            "stage holds only its layers of a block, and the daemon stores whole blocks"
-        )
-    if dcp > 1:
-        raise SettingsError(
-            f"kvsidecar connector: decode context parallelism ({dcp} ranks) is not supported: "
-            "each rank holds only some tokens of a block"
-        )
-    model = vllm_config.model_config
-    supported = getattr(model, "is_prefix_caching_supported", True)
-    attn_type = str(getattr(model, "attn_type", "decoder"))
-    if not supported or attn_type not in ("decoder", "hybrid"):
-        raise SettingsError(
-            f"kvsidecar connector: {model.model} has {attn_type} attention, whose prefixes vLLM "
-            "does not cache (a block's KV depends on later tokens): blocks must not be shared"
-        )
-    policy = str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute"))
-    if policy != "recompute":
-        log.warning(
-            "kvsidecar: kv_load_failure_policy=%r: a block the daemon cannot load (evicted, "
-            "daemon restarted, pull failed) fails its request instead of being recomputed; "
-            "set it to 'recompute'",
-            policy,
-        )
-
-
-def _cpu_packing(vllm_config: Any, t: torch.Tensor) -> Arrangement | None:
-    """Return the arrangement whose packing vLLM's CPU kernel writes for this cache, or None.
-
-    Written with the kernel itself (the ISA vLLM picks for this dtype and block size), on a
-    scratch cache of two blocks, with values exact in the cache's dtype, and compared element by
-    element with each arrangement's definition (`_packed_by_definition`): ``vllm_cpu`` (the
-    ``vec`` kernels: K transposed, then V) or ``vllm_cpu_amx`` (the ``amx`` kernels' tiles).
-    """
+def _cpu_kernels() -> CpuKernels | None:
+    """VLLM's CPU attention kernels (`kvsidecar.integrations.vllm.cpu_kernels`), if it has any."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
         return None
-    _, heads, n, c2 = t.shape
-    c = c2 // 2
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    isa = _get_attn_isa(t.dtype, n, c, cache_dtype)
-    tokens = n + 3  # one full block and part of a second
-    pos = torch.arange(tokens).view(-1, 1, 1)
-    val = (pos * 7 + torch.arange(heads).view(1, -1, 1) * 3 + torch.arange(c).view(1, 1, -1)) % 97
-    key, value = (val + 1).to(t.dtype), (-val - 1).to(t.dtype)
-    kv = torch.zeros(2, heads, n, c2, dtype=t.dtype)
-    key_cache, value_cache = kv.view(2, heads, 2 * n, c).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, torch.arange(tokens), isa, kv_cache_dtype=cache_dtype
-    )
-    for arrangement in CPU_PACKED:
-        want = _packed_by_definition(arrangement, key, value, n)
-        if want is not None and torch.equal(kv, want):
-            return arrangement
-    log.info("kvsidecar: vLLM's %s kernel packs the CPU cache in no known way: opaque", isa)
-    return None
-
-
-def _request_amx() -> None:
-    """Ask Linux to let this process use AMX tiles, which vLLM's amx attention needs.
-
-    Linux grants AMX to a process only once it asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); an
-    AMX instruction before that is an illegal instruction. vLLM 0.32's ``amx`` attention kernel
-    does not ask: an engine survives only if something asked first, such as a oneDNN bfloat16
-    GEMM large enough for AMX. A decode engine whose first forward is a pulled prompt's last
-    token got SIGILL in ``cpu_attention_with_kv_cache`` (docs/vllm.md, "AMX"); the same kernel,
-    called in a fresh process, dies the same way, and lives once the process has asked.
-    """
-    init = getattr(torch.cpu, "_init_amx", None)
-    if init is None or not init():
-        log.warning("kvsidecar: the CPU cache is amx-packed but Linux did not grant AMX")
-
-
-def _packed_by_definition(
-    arrangement: Arrangement, key: torch.Tensor, value: torch.Tensor, n: int
-) -> torch.Tensor | None:
-    """Pack token-major K, V ``(T, H, C)`` into blocks ``(2, H, n, 2C)`` as ``arrangement`` says.
-
-    The definitions of `kvsidecar.wire.types.Arrangement`; None where they cannot hold ``n``
-    tokens of ``C`` channels (the amx tiles need multiples of 16).
-    """
-    tokens, heads, c = key.shape
-    tok = torch.arange(tokens).view(-1, 1)
-    ch = torch.arange(c).view(1, -1)
-    block, t = tok // n, tok % n
-    if arrangement == "vllm_cpu":
-        at_k, at_v = ch * n + t, n * c + t * c + ch  # K transposed: row d, column t
-    else:
-        if n % 16 or c % 16:
-            return None
-        at_k = ((t // 16) * (c // 2) + ch // 2) * 32 + (t % 16) * 2 + ch % 2
-        at_v = n * c + ((ch // 16) * (n // 2) + t // 2) * 32 + (ch % 16) * 2 + t % 2
-    want = torch.zeros(2, heads, n * 2 * c, dtype=key.dtype)
-    blocks = block.expand(tokens, c)
-    # Indexed (tokens, C, heads): the two index tensors broadcast first, the heads slice last.
-    want[blocks, :, at_k.expand(tokens, c)] = key.permute(0, 2, 1)
-    want[blocks, :, at_v.expand(tokens, c)] = value.permute(0, 2, 1)
-    return want.view(2, heads, n, 2 * c)
+    return CpuKernels(isa=_get_attn_isa, reshape_and_cache=ops.cpu_attn_reshape_and_cache)
 
 
 # ----------------------------------------------------------------- fail-closed answers
@@ -345,7 +193,9 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
         kv_role = str(ktc.kv_role)
         check_supported(vllm_config)
-        facts = _facts(vllm_config)
+        import vllm
+
+        facts = cache_facts(vllm_config, str(getattr(vllm, "__version__", "")))
         self._vllm_config = vllm_config
         prefix = self._settings.prefix_cache
         if prefix is None:
@@ -395,6 +245,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_rank=int(get_tensor_model_parallel_rank()),
                 tp_size=facts.tp_size,
                 model_hash=facts.model_hash(),
+                fingerprint=facts.fingerprint(),
             )
 
     # ------------------------------------------------------------------ worker
@@ -410,9 +261,12 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Register vLLM's cache with the daemon (its layout read from the tensors)."""
         assert self._worker is not None
         first = next(iter(kv_caches.values()))
-        packing = _cpu_packing(self._vllm_config, first) if first.dim() == 4 else None
+        packing = None
+        if first.dim() == 4:
+            cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+            packing = cpu_packing(first, cache_dtype, _cpu_kernels())
         if packing == "vllm_cpu_amx":
-            _request_amx()
+            request_amx()
         try:
             self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
         except SharedMemoryTooSmall as exc:
@@ -617,3 +471,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished_count(self) -> int | None:
         """Every worker reports its own completions (vLLM counts them: the world size)."""
         return None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: sleep mode moves the KV cache the daemon has mapped (vLLM 0.34 asks)."""
+        return False

@@ -99,10 +99,13 @@ def share_storages(kv_caches: dict[str, torch.Tensor], shm: str = SHM) -> None:
 
 
 def _too_small(need: int, shm: str, size: int, free: int) -> str:
-    gib = 1 << 30
     return (
-        f"the KV cache ({need / gib:.2f} GiB) does not fit in {shm} ({size / gib:.2f} GiB, "
-        f"{free / gib:.2f} GiB free): the daemon cannot map it. Give the engine a {shm} of at "
-        f"least {need / gib:.2f} GiB (docker run --shm-size; Kubernetes: an emptyDir with "
-        "medium Memory and a sizeLimit), or a smaller cache (VLLM_CPU_KVCACHE_SPACE)"
+        f"the KV cache ({_size(need)}) does not fit in {shm} ({_size(size)}, {_size(free)} "
+        f"free): the daemon cannot map it. Give the engine a {shm} of at least {_size(need)} "
+        "(docker run --shm-size; Kubernetes: an emptyDir with medium Memory and a sizeLimit), "
+        "or a smaller cache (VLLM_CPU_KVCACHE_SPACE)"
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

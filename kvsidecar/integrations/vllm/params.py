@@ -141,3 +141,21 @@ def prompt_digest(token_ids: Sequence[int], *, lora_name: str = "", cache_salt: 
     head = json.dumps(["kvsidecar-prompt-1", lora_name, cache_salt]).encode()
     tokens = np.asarray(token_ids, dtype=np.int64).tobytes()
     return hashlib.sha256(head + b"\0" + tokens).hexdigest()
+
+
+def request_prompt(request: Any, num_tokens: int | None = None) -> tuple[Sequence[int], str, str]:
+    """Return a request's first ``num_tokens`` tokens (all of its prompt when None), LoRA, salt.
+
+    `Ignored` ``unsupported`` for what a token digest cannot name: multimodal inputs, prompt
+    embeddings.
+    """
+    tokens = getattr(request, "prompt_token_ids", None)
+    if tokens is None or getattr(request, "prompt_embeds", None) is not None:
+        raise Ignored("unsupported", "prompts given as embeddings are not handed over")
+    if getattr(request, "mm_features", None):
+        raise Ignored("unsupported", "multimodal prompts are not handed over")
+    if num_tokens is not None:
+        tokens = list(getattr(request, "all_token_ids", tokens))[:num_tokens]
+    lora = getattr(request, "lora_request", None)
+    lora_name = "" if lora is None else str(getattr(lora, "lora_name", "") or "")
+    return tokens, lora_name, str(getattr(request, "cache_salt", None) or "")

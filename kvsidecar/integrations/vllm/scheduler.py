@@ -10,20 +10,17 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
   Lookups change nothing; `SchedulerSide.after_alloc` pins what it will load. Every full block a
   step computes is stored after that step (`StepPlan.stores`); blocks the engine already had are
   not stored again.
-- **Nothing computed over a failed load is stored.** A block computed in the step of a load, or
-  after it, depends on the loaded blocks: the workers report each load's outcome per rank
-  (`SchedulerSide.confirm`). A request whose load failed on any rank stores nothing more (its
-  workers drop the stores they were already given); with TP > 1 a request's stores wait until
-  every rank has confirmed its load, since one rank cannot know another's outcome.
+- **Nothing computed over a failed load is stored**: the workers report each load's outcome per
+  rank (`SchedulerSide.confirm`); a request whose load failed on any rank stores nothing more,
+  and with TP > 1 its stores wait until every rank has confirmed its load.
 - **Disaggregated prefill**, only where it is turned on (``disaggregated``: the roles
   ``kv_producer`` and ``kv_consumer``, or the setting): a prefill engine's finished request with
   ``do_remote_decode`` is published with a lease and the digest of its prompt, and answered with
   ``kv_transfer_params`` naming its blocks, its engine and its daemon; vLLM holds the blocks until
-  the workers report ``finished_sending``. A decode engine given those params, once they are
-  checked against the request (`kvsidecar.integrations.vllm.params`), loads the whole prompt
-  *asynchronously*: its workers pull the blocks through their daemon, which reads them only if
-  they were published for a prompt with the same digest. Params that do not hold up are ignored,
-  with a warning and a count: the request is computed here.
+  the workers report ``finished_sending``. A decode engine given those params, once checked
+  (`kvsidecar.integrations.vllm.params`; else ignored, with a warning and a count), loads the
+  whole prompt *asynchronously*: its workers pull the blocks through their daemon, which reads
+  them only if they were published for a prompt with the same digest.
 
 The daemon may be absent or die at any time: a lookup that fails is a miss (and the daemon is
 left alone for ``retry_s``), a publish that fails frees the blocks at once (the consumer then
@@ -50,6 +47,7 @@ from kvsidecar.integrations.vllm.params import (
     RemotePrefill,
     parse_remote_prefill,
     prompt_digest,
+    request_prompt,
 )
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
@@ -80,24 +78,6 @@ class RequestView(Protocol):
     def kv_transfer_params(self) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` the request came with (disaggregated prefill)."""
         ...
-
-
-def request_prompt(request: Any, num_tokens: int | None = None) -> tuple[Sequence[int], str, str]:
-    """Return a request's first ``num_tokens`` tokens (all of its prompt when None), LoRA, salt.
-
-    `Ignored` ``unsupported`` for what a token digest cannot name: multimodal inputs, prompt
-    embeddings.
-    """
-    tokens = getattr(request, "prompt_token_ids", None)
-    if tokens is None or getattr(request, "prompt_embeds", None) is not None:
-        raise Ignored("unsupported", "prompts given as embeddings are not handed over")
-    if getattr(request, "mm_features", None):
-        raise Ignored("unsupported", "multimodal prompts are not handed over")
-    if num_tokens is not None:
-        tokens = list(getattr(request, "all_token_ids", tokens))[:num_tokens]
-    lora = getattr(request, "lora_request", None)
-    lora_name = "" if lora is None else str(getattr(lora, "lora_name", "") or "")
-    return tokens, lora_name, str(getattr(request, "cache_salt", None) or "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,12 +72,15 @@ class WorkerSide:
         tp_rank: int,
         tp_size: int,
         model_hash: str,
+        fingerprint: str = "",
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.model_hash = model_hash
+        self.fingerprint = fingerprint
+        """The namespace the scheduler starts with (for the log; each plan names its own)."""
         self.layout: CacheLayout | None = None
         self.conn: DaemonConnection | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -141,11 +144,12 @@ class WorkerSide:
             self._announced = True
             daemon = client.daemon
             log.info(
-                "kvsidecar worker %d: cache on: daemon %s (%s), engine %s, %d layers registered "
-                "as %s",
+                "kvsidecar worker %d: cache on: daemon %s (%s), namespace %s, engine %s, %d "
+                "layers registered as %s",
                 self.tp_rank,
                 self.settings.daemon_endpoint,
                 "" if daemon is None else daemon.daemon_id,
+                self.fingerprint,
                 self.engine_id,
                 len(self._kv_caches),
                 layout.name,
