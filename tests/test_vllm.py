@@ -44,16 +44,9 @@ from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, make_config
 from tests.support.ports import tcp_endpoint
 from tests.support.prometheus import scrape
-from tests.support.vllm_serve import block_hashes, tokens
+from tests.support.vllm_serve import block_hashes, make_model, tokens, vllm_venv_params
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(), reason="no .venv-vllm (scripts/setup-vllm-venv makes it)"
-    ),
-]
+pytestmark = pytest.mark.timeout(600)
 
 BLOCK_BYTES = 2 * 2 * 32 * 64 * 2
 """One 32-token block of the test model: 2 layers x 2 KV heads x 32 tokens x (K + V of 32) bf16."""
@@ -84,7 +77,9 @@ connector with a daemon that answers; the kill test checks what happens when it 
 class Engine(LineChild):
     """One vLLM engine process (`tests.helpers.vllm_engine`), its log in a file."""
 
-    def __init__(self, name: str, spec: dict[str, Any], log_dir: Path, scratch: Path) -> None:
+    def __init__(
+        self, name: str, spec: dict[str, Any], log_dir: Path, scratch: Path, venv: Path
+    ) -> None:
         self.log_path = log_dir / f"engine-{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -95,7 +90,7 @@ class Engine(LineChild):
             "vllm_engine",
             json.dumps(spec),
             name=f"engine {name}",
-            python=VLLM_PYTHON,
+            python=venv / "bin" / "python",
             env=env,
             stderr=self._log,
         )
@@ -141,16 +136,11 @@ def daemon_config(**kw: Any) -> Config:
 class Rig:
     """The daemons and engines of the module (see the module doc)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, venv: Path) -> None:
         self.tmp = tmp
+        self.venv = venv
         self.model = tmp / "model"
-        subprocess.run(
-            [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_engine", "--make-model", str(self.model)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            check=True,
-            timeout=120,
-        )
+        make_model(venv, self.model)
         self.d1 = DaemonProcess(daemon_config())
         self.d2 = DaemonProcess(daemon_config())
         self.engines: dict[str, Engine] = {}
@@ -175,8 +165,8 @@ class Rig:
         for d in (self.d1, self.d2):
             d.wait_ready()
         for name, bs, d in (("base", 32, None), ("a", 32, self.d1), ("b", 32, self.d1)):
-            self.engines[name] = Engine(name, self.spec(bs, d), self.tmp, self.scratch)
-        self.engines["c"] = Engine("c", self.spec(64, self.d2), self.tmp, self.scratch)
+            self.engines[name] = Engine(name, self.spec(bs, d), self.tmp, self.scratch, self.venv)
+        self.engines["c"] = Engine("c", self.spec(64, self.d2), self.tmp, self.scratch, self.venv)
         for engine in self.engines.values():
             engine.wait_ready()
 
@@ -191,11 +181,20 @@ class Rig:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+@pytest.fixture(scope="module", params=vllm_venv_params())
+def venv(request: pytest.FixtureRequest) -> Path:
+    """The vLLM every test of the module runs against, in turn (`VLLM_VENVS`)."""
+    path: Path = request.param
+    return path
+
+
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def rig(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     # KVSIDECAR_VLLM_LOGS keeps the engines' logs (and the model) where a failure can be read.
     keep = os.environ.get("KVSIDECAR_VLLM_LOGS")
-    rig = Rig(Path(keep) if keep else tmp_path_factory.mktemp("vllm"))
+    tmp = Path(keep) / venv.name if keep else tmp_path_factory.mktemp("vllm")
+    tmp.mkdir(parents=True, exist_ok=True)
+    rig = Rig(tmp, venv)
     try:
         rig.start()
         yield rig
@@ -210,10 +209,10 @@ def baseline(rig: Rig) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): r["tokens"] for p, r in zip(EVERY, out, strict=True)}
 
 
-def _vllm_helper(module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``tests.helpers.<module>`` with .venv-vllm's Python, this checkout importable."""
+def _vllm_helper(venv: Path, module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``tests.helpers.<module>`` with a vLLM venv's Python, this checkout importable."""
     return subprocess.run(
-        [str(VLLM_PYTHON), "-m", f"tests.helpers.{module}", *args],
+        [str(venv / "bin" / "python"), "-m", f"tests.helpers.{module}", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -230,9 +229,9 @@ def _last_json(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def kernel_packing() -> dict[str, Any]:
+def kernel_packing(venv: Path) -> dict[str, Any]:
     """vLLM's CPU kernels against tests/support/vllm_layout.py (helpers/vllm_kernel_packing)."""
-    out = _vllm_helper("vllm_kernel_packing")
+    out = _vllm_helper(venv, "vllm_kernel_packing")
     out.check_returncode()
     return _last_json(out)
 
@@ -244,7 +243,7 @@ def arrangement(kernel_packing: dict[str, Any]) -> Arrangement:
 
 
 def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
-    kernel_packing: dict[str, Any],
+    venv: Path, kernel_packing: dict[str, Any]
 ) -> None:
     """vLLM 0.32's amx attention uses AMX tiles without asking Linux for them: in a process where
     nothing asked first it dies (SIGILL), which killed decode engines whose first forward was a
@@ -252,10 +251,10 @@ def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
     (`_request_amx`); then the kernel's output is right (tests/helpers/vllm_amx_attention.py)."""
     if kernel_packing["isa"] != "amx":
         pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no permission")
-    asked = _vllm_helper("vllm_amx_attention", "ask")
+    asked = _vllm_helper(venv, "vllm_amx_attention", "ask")
     assert asked.returncode == 0, asked.stderr[-2000:]
     assert _last_json(asked)["max_error"] < 0.02
-    unasked = _vllm_helper("vllm_amx_attention", "no-ask")
+    unasked = _vllm_helper(venv, "vllm_amx_attention", "no-ask")
     assert unasked.returncode == -signal.SIGILL, (unasked.returncode, unasked.stderr[-2000:])
 
 

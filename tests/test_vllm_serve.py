@@ -48,22 +48,15 @@ from tests.support.daemons import DaemonProcess, make_config
 from tests.support.ports import tcp_endpoint
 from tests.support.vllm_serve import (
     CONNECTOR,
-    VLLM_VENVS,
     Completion,
     VllmServer,
     block_hashes,
     make_model,
     tokens,
+    vllm_venv_params,
 )
 
-VENV = VLLM_VENVS["0.32"]
-
-pytestmark = [
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not (VENV / "bin" / "vllm").exists(), reason="no .venv-vllm (scripts/setup-vllm-venv)"
-    ),
-]
+pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 32
 BLOCK_BYTES = 2 * 2 * 32 * 64 * 2
@@ -90,10 +83,11 @@ def recipe_config() -> dict[str, Any]:
 class Rig:
     """The daemon and the three servers of the module (see the module doc)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, venv: Path) -> None:
         self.tmp = tmp
+        self.venv = venv
         self.model = tmp / "model"
-        make_model(VENV, self.model)
+        make_model(venv, self.model)
         self.daemon_config = make_config(
             host_pool_bytes=64 << 20,
             cache_bytes=4 << 20,  # 256 blocks: small enough to fill, for the eviction fault
@@ -121,11 +115,12 @@ class Rig:
                 "lookup_timeout_s": 5.0,
             },
         }
+        venv, model, tmp = self.venv, self.model, self.tmp
         self.servers = {
-            "ref": VllmServer("ref", VENV, self.model, self.tmp),
-            "pd": VllmServer("pd", VENV, self.model, self.tmp, kv_transfer_config=pd, env=env),
+            "ref": VllmServer("ref", venv, model, tmp),
+            "pd": VllmServer("pd", venv, model, tmp, kv_transfer_config=pd, env=env),
             "docs": VllmServer(
-                "docs", VENV, self.model, self.tmp, kv_transfer_config=recipe_config(), env=env
+                "docs", venv, model, tmp, kv_transfer_config=recipe_config(), env=env
             ),
         }
         for server in self.servers.values():
@@ -141,12 +136,17 @@ class Rig:
         return SidecarClient(self.daemon_config.endpoint, heartbeat=False)
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+@pytest.fixture(scope="module", params=vllm_venv_params())
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """The rig on each tested vLLM in turn (`tests.support.vllm_serve.VLLM_VENVS`)."""
+    venv: Path = request.param
     keep = os.environ.get("KVSIDECAR_VLLM_LOGS")  # keeps the servers' logs where they can be read
     # Short, under /tmp: vLLM's ipc socket paths must fit in 107 bytes.
-    tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kvs-serve-", dir="/tmp"))
-    rig = Rig(tmp)
+    tmp = (
+        Path(keep) / venv.name if keep else Path(tempfile.mkdtemp(prefix="kvs-serve-", dir="/tmp"))
+    )
+    tmp.mkdir(parents=True, exist_ok=True)
+    rig = Rig(tmp, venv)
     try:
         rig.start()
         yield rig
@@ -213,6 +213,13 @@ def test_the_docs_recipe_serves_and_shares_a_prefix_between_engines(rig: Rig) ->
     assert docs.metric("vllm:external_prefix_cache_hits_total") - hits == 224  # 7 blocks
     same_outputs(second, reference(rig, prompt))  # ref's own cache holds it now
     assert second.body["usage"]["prompt_tokens"] == 250
+    # The engine's log says once that the cache is on, with its daemon, namespace and layout.
+    log = docs.log_path.read_text()
+    ((daemon_at, namespace),) = re.findall(
+        r"kvsidecar worker 0: cache on: daemon (\S+) \(\S*\), namespace ([^,]+),", log
+    )
+    assert (daemon_at, namespace) == (rig.daemon_config.endpoint, _namespace(rig))
+    assert "layers registered as vllm_cpu" in log and "connector on (role kv_both" in log
 
 
 # ------------------------------------------------------------------ hostile request bodies
@@ -518,7 +525,7 @@ def bench(server: VllmServer, out: Path, *, seed: int, prompts: int) -> subproce
     """Start ``vllm bench serve`` (vLLM's own client) on ``server``: shared-prefix requests,
     16 at a time, greedy; its result (every request's output) goes to ``out``."""
     cmd = [
-        str(VENV / "bin" / "vllm"),
+        str(server.venv / "bin" / "vllm"),
         "bench",
         "serve",
         "--backend",

@@ -10,8 +10,12 @@ the scheduler plans stores and refuses pulls it could only get wrong.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shlex
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +31,7 @@ from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, Store
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
 from kvsidecar.integrations.vllm.worker import WorkerSide
+from tests.support import ROOT, python_env
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -696,3 +701,44 @@ def test_a_reset_cache_moves_the_engine_to_a_namespace_of_its_own() -> None:
     other = scheduler()
     other.reset()
     assert other.fingerprint != plan.fingerprint  # two resets never share a namespace
+
+
+# ------------------------------------------------------------------ /dev/shm
+
+
+def _in_small_shm(size: str, *cmd: str) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a mount namespace of its own whose /dev/shm is a tmpfs of ``size``."""
+    script = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {shlex.join(cmd)}"
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _can_mount() -> bool:
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs mount namespaces (root) for a small /dev/shm")
+def test_a_cache_larger_than_dev_shm_is_refused_before_anything_moves() -> None:
+    """Docker's default /dev/shm is 64 MiB: a cache that does not fit is refused with the sizes
+    and what to do, before any page moves (torch would fail half-way, or the daemon map it)."""
+    out = _in_small_shm("8m", sys.executable, "-m", "tests.helpers.small_shm", "16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["shared"] is False
+    assert result["error"].startswith(
+        "SharedMemoryTooSmall: the KV cache (16.0 MiB) does not "
+        "fit in /dev/shm (8.0 MiB, 8.0 MiB free)"
+    ), result
+    assert "--shm-size" in result["error"]
+    fits = _in_small_shm("32m", sys.executable, "-m", "tests.helpers.small_shm", "16")
+    assert json.loads(fits.stdout.strip().splitlines()[-1]) == {"error": "", "shared": True}

@@ -28,7 +28,27 @@ from tests.support.ports import reserve_port
 from tests.support.prometheus import scrape
 
 VLLM_VENVS = {"0.32": ROOT / ".venv-vllm", "0.31": ROOT / ".venv-vllm-0.31"}
-"""The vLLM minors the real-engine tests run against, and where each one's venv is."""
+"""The vLLM minors the real-engine tests run against, and where each one's venv is (both made by
+``scripts/test``: ``scripts/setup-vllm-venv``)."""
+
+
+def vllm_venv_params() -> list[Any]:
+    """`VLLM_VENVS` as pytest parameters, each skipped (saying why) where its venv is missing."""
+    import pytest
+
+    return [
+        pytest.param(
+            venv,
+            id=f"vllm-{minor}",
+            marks=pytest.mark.skipif(
+                not (venv / "bin" / "vllm").exists(),
+                reason=f"no {venv.name} (scripts/test makes it; KVSIDECAR_SKIP_VLLM=1 skips it)",
+            ),
+        )
+        for minor, venv in VLLM_VENVS.items()
+    ]
+
+
 CONNECTOR = {
     "kv_connector": "KVSidecarConnector",
     "kv_connector_module_path": "kvsidecar.integrations.vllm",
@@ -102,6 +122,7 @@ class VllmServer:
         args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.venv = venv
         self.model = str(model)
         self.port = reserve_port()
         self.log_path = log_dir / f"serve-{name}.log"
