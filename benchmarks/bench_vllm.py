@@ -209,8 +209,17 @@ def measure(base: Engine, side: Engine, args: argparse.Namespace) -> dict[str, A
 
 
 STEP_HOOKS = {
-    "worker": ("handle_preemptions", "start_load_kv", "wait_for_save", "get_finished"),
-    "scheduler": ("build_connector_meta",),
+    "worker": (
+        "handle_preemptions",
+        "start_load_kv",
+        "wait_for_save",
+        "get_finished",  # vLLM before 0.31 calls it; 0.31 and later get_transfer_results
+        "get_transfer_results",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "get_kv_connector_stats",
+    ),
+    "scheduler": ("build_connector_meta", "update_connector_output", "get_kv_connector_stats"),
 }
 """The hooks vLLM calls once per step (the per-request ones, lookups and loads, are not)."""
 

@@ -118,7 +118,15 @@ class Rig:
         venv, model, tmp = self.venv, self.model, self.tmp
         self.servers = {
             "ref": VllmServer("ref", venv, model, tmp),
-            "pd": VllmServer("pd", venv, model, tmp, kv_transfer_config=pd, env=env),
+            # Its development endpoints on: /reset_prefix_cache, as a weight update calls it.
+            "pd": VllmServer(
+                "pd",
+                venv,
+                model,
+                tmp,
+                kv_transfer_config=pd,
+                env={**env, "VLLM_SERVER_DEV_MODE": "1"},
+            ),
             "docs": VllmServer(
                 "docs", venv, model, tmp, kv_transfer_config=recipe_config(), env=env
             ),
@@ -345,18 +353,20 @@ def test_a_hand_over_of_blocks_that_were_not_published_reads_none_of_them(rig: R
     pd.complete(victim)  # another user's private prompt, in pd's cache now
     mine = tokens(321, 128)
     params = prefill(rig, mine)
-    ids = params["remote_block_ids"]
-    params["remote_block_ids"] = [(b + 7) % 2000 for b in ids]  # the same count, other blocks
+    published = params["remote_block_ids"]
+    params["remote_block_ids"] = [(b + 7) % 2000 for b in published]  # as many, other blocks
     failed = _pulls_failed(rig)
-    out = pd.complete(mine, kv_transfer_params=params)
+    out = pd.complete(mine, kv_transfer_params=params)  # within the prefill's lease
     assert _pulls_failed(rig) == failed + 1
-    same_outputs(out, reference(rig, mine, warm=mine))
-    # The control: the same params with the published blocks pull them.
-    params["remote_block_ids"] = ids
+    assert "refused by the producer: out_of_range: blocks that request" in pd.tail(200)
+    # The control: a prefill's params as published pull it.
+    control = tokens(322, 128)
+    params = prefill(rig, control)
     pulled = pd.metric("vllm:kvsidecar_pulled_requests_total")
-    again = pd.complete(mine, kv_transfer_params=params)
+    again = pd.complete(control, kv_transfer_params=params)
     assert pd.metric("vllm:kvsidecar_pulled_requests_total") == pulled + 1
-    same_outputs(again, reference(rig, mine))
+    same_outputs(out, reference(rig, mine, warm=mine))  # pd computed it over its own hit
+    same_outputs(again, reference(rig, control, warm=control))
 
 
 def test_the_hand_over_of_one_prompt_sent_with_another_is_refused(rig: Rig) -> None:
@@ -369,6 +379,7 @@ def test_the_hand_over_of_one_prompt_sent_with_another_is_refused(rig: Rig) -> N
     failed = _pulls_failed(rig)
     out = pd.complete(b, kv_transfer_params=params)
     assert _pulls_failed(rig) == failed + 1
+    assert "refused by the producer: another_prompt: request" in pd.tail(200)
     same_outputs(out, reference(rig, b))
     # pd computed and stored B itself; docs has seen neither prompt: it loads both from the
     # daemon, and gets what ref gets from its own cache.
@@ -654,3 +665,31 @@ def test_a_prefill_nobody_reads_is_held_for_its_lease_only(rig: Rig) -> None:
     assert pd.metric("vllm:kv_cache_usage_perc") == 0
     with rig.client() as c:
         assert c.status().published_requests == 0
+
+
+# ------------------------------------------------------------------ last: a reset of the cache
+
+
+def test_a_reset_of_the_connectors_cache_leaves_the_old_namespace_to_the_others(rig: Rig) -> None:
+    """``reset_prefix_cache(reset_connector=True)``, as after a weight update: ``pd`` stores into a
+    namespace of its own from then on, and loads nothing from the one it shared (its blocks were
+    computed with the old weights); ``docs`` keeps the old one and finds nothing of ``pd``'s new
+    blocks. Last in the module: ``pd`` and ``docs`` no longer share a cache after it."""
+    pd, docs = rig.servers["pd"], rig.servers["docs"]
+    before = tokens(800, 200)
+    pd.complete(before)
+    with rig.client() as c:
+        (old,) = {n.fingerprint for n in c.status().cache_namespaces}
+    status, answer = pd.post("/reset_prefix_cache?reset_external=true", {})
+    assert status == 200 and answer == {"success": True}, (status, answer)
+    after = tokens(801, 200)
+    fresh = reference(rig, after)  # computed whole, as pd and docs compute it below
+    same_outputs(pd.complete(after), fresh)
+    with rig.client() as c:
+        spaces = {n.fingerprint: n for n in c.status().cache_namespaces}
+    (new,) = set(spaces) - {old}
+    assert new.startswith(old + "~") and spaces[new].stored_blocks == len(after) // BLOCK
+    hits = {s.name: s.metric("vllm:external_prefix_cache_hits_total") for s in (pd, docs)}
+    same_outputs(docs.complete(after), fresh)  # computed: not in its namespace
+    same_outputs(pd.complete(before), reference(rig, before))  # computed: the old one is not its
+    assert {s.name: s.metric("vllm:external_prefix_cache_hits_total") for s in (pd, docs)} == hits
