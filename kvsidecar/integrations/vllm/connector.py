@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 
@@ -171,8 +172,6 @@ def _no_completions(
 
 
 def _no_results(connector: KVSidecarConnector, *args: Any) -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
     return KVConnectorTransferResults()
 
 
@@ -214,6 +213,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.hook_errors: metrics.Counts[str] = metrics.Counts()
         """Exceptions caught by each hook's guard."""
         self._reported: metrics.Counts[str] = metrics.Counts()
+        self._reported_total = 0
         engine_id = str(ktc.engine_id)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
@@ -313,10 +313,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @_guarded(_no_results)
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Return the sends and pulls that ended since the last call, and the failed pulls."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
-        if self._worker is None:
-            return KVConnectorTransferResults()
+        if self._worker is None or not self._worker.transfers_pending:
+            return KVConnectorTransferResults()  # most steps
         plan = self._plan()
         sending, recving, failed = self._worker.finished(idle=plan is not None and plan.idle)
         return KVConnectorTransferResults(
@@ -337,12 +335,16 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @_guarded(_nothing)
     def get_kv_connector_stats(self) -> metrics.SidecarStats | None:
         """Return what the counters moved by since the last call (vLLM's ``/metrics``)."""
-        counts: metrics.Counts[str] = metrics.Counts()
+        side = self._worker if self._worker is not None else self._scheduler
+        counters = side.counters if side is not None else metrics.Counts()
+        # Called every step: counters only grow, so an unchanged total means nothing moved.
+        total = sum(counters.values()) + sum(self.hook_errors.values())
+        if total == self._reported_total:
+            return None
+        self._reported_total = total
+        counts: metrics.Counts[str] = metrics.Counts(counters)
         for hook, n in self.hook_errors.items():
             counts[f"hook:{hook}"] = n
-        side = self._worker if self._worker is not None else self._scheduler
-        if side is not None:
-            counts.update(side.counters)
         delta = counts - self._reported
         self._reported = counts
         return metrics.SidecarStats(data=dict(delta)) if delta else None

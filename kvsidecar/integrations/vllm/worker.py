@@ -55,6 +55,8 @@ EARLY_EVENTS = 4096
 """Completion events for requests not known yet, kept at most (the oldest go first)."""
 EARLY_EVENT_S = 600.0
 """How long such an event waits for its request; past it, it is dropped and counted."""
+OUTCOMES_KEPT = 4096
+"""Load outcomes kept for the scheduler between two takes (one step's, in practice)."""
 LOAD_FENCE_S = 1.0
 """How long past its ``load_timeout_s`` the reply of a load is still awaited: the fence waits for
 it (the copy may have started) before the blocks it writes are freed. The daemon starts no copy
@@ -182,7 +184,8 @@ class WorkerSide:
     def fence(self, freed: Collection[str]) -> None:
         """Before a forward: finish the stores and late loads of the ``freed`` requests."""
         gone = set(freed)
-        self._tainted -= gone  # re-admitted, they load and compute afresh
+        if self._tainted and gone:
+            self._tainted -= gone  # re-admitted, they load and compute afresh
         if self._late_loads:
             self._fence_loads(gone)
         if not self._stores:
@@ -291,14 +294,19 @@ class WorkerSide:
         self.counters["load_errors"] += len(bad)
         self._errors.update(bad)
         self._outcomes.append((self.tp_rank, spec.request_id, not bad))
+        if len(self._outcomes) > OUTCOMES_KEPT:  # a vLLM that never takes them
+            del self._outcomes[:-OUTCOMES_KEPT]
         if bad:
             self._tainted.add(spec.request_id)
 
     def store(self, plan: StepPlan) -> None:
         """After the forward: submit this step's stores; note the requests it must send."""
-        self._sending.update(plan.sends)
-        if self._early and plan.sends:
-            self._match_early()
+        if plan.sends:
+            self._sending.update(plan.sends)
+            if self._early:
+                self._match_early()
+        if not plan.stores:
+            return  # most decode steps
         specs = [s for s in plan.stores if s.request_id not in self._tainted]
         for spec in plan.stores:
             if spec.request_id in self._tainted:
@@ -333,6 +341,11 @@ class WorkerSide:
         recving = self._finished_pulls(idle)
         failed, self._failed = self._failed & recving, self._failed - recving
         return self._finished_sends(), recving, failed
+
+    @property
+    def transfers_pending(self) -> bool:
+        """Whether a pull, a send or a release may have something to report (cheap)."""
+        return bool(self._pulls or self._sending or self._released or self._failed)
 
     def take_load_errors(self) -> set[int]:
         """Return (and forget) the blocks that failed to load: vLLM recomputes them."""
