@@ -374,6 +374,49 @@ def test_a_namespace_its_engine_moved_away_from_gives_its_room_to_the_next() -> 
             engine.close()
 
 
+def test_namespaces_in_use_share_the_cache_with_a_new_one() -> None:
+    """The first namespace takes all of ``cache_bytes`` by default; one of another model (or of
+    an engine that reset its cache while the others kept theirs) still gets an equal share: the
+    namespace in use is made again at half, empty, once nothing holds it, and from then on both
+    keep what they store."""
+    room = 32 * BLOCK_BYTES + 2 * 4096  # 32 blocks of two layers
+    with daemon_process(make_config(host_pool_bytes=8 << 20, cache_bytes=2 * room)) as d:
+        a, b = Engine(d.config.endpoint, "a", 1), Engine(d.config.endpoint, "b", 2)
+        try:
+            a.client.submit_cache_store("fp-a", [key(i) for i in range(8)], list(range(8))).result()
+            (first,) = a.client.status().cache_namespaces
+            assert first.capacity_blocks == 64 + 8  # all of it (one namespace pads once)
+            evicted = samples(d, "kvsidecar_cache_evictions_total")
+            # A pinned namespace keeps its room: the new one is refused, with a typed error.
+            pin = a.client.cache_lookup("fp-a", [key(0)], pin_s=30.0)
+            assert pin.hits == 1 and pin.pin_id
+            with pytest.raises(SidecarError) as refused:
+                b.client.submit_cache_store("fp-b", [key(100)], [0]).result()
+            assert refused.value.code == "pool_exhausted"
+            assert a.client.submit_cache_load("fp-a", [key(0)], [9], pin_id=pin.pin_id).result()
+            assert [t.equal(u) for t, u in zip(a.block(9), a.block(0), strict=True)] == [True] * 2
+            # Unpinned: fp-a is shrunk to an equal share (its blocks dropped), fp-b gets the rest.
+            stored = b.client.submit_cache_store("fp-b", [key(100), key(101)], [0, 1]).result()
+            assert stored.stored == 2
+            spaces = {n.fingerprint: n for n in a.client.status().cache_namespaces}
+            assert {f: (n.capacity_blocks, n.ready_blocks) for f, n in spaces.items()} == {
+                "fp-a": (32, 0),
+                "fp-b": (40, 2),  # the rest of cache_bytes: blocks are counted, not padding
+            }
+            assert samples(d, "kvsidecar_cache_evictions_total") - evicted == 8
+            assert a.client.cache_lookup("fp-a", [key(0)]).hits == 0
+            # Both keep what they store, each block as its engine held it.
+            a.client.submit_cache_store("fp-a", [key(1), key(2)], [1, 2]).result()
+            assert a.client.submit_cache_load("fp-a", [key(1), key(2)], [10, 11]).result()
+            assert b.client.submit_cache_load("fp-b", [key(100), key(101)], [12, 13]).result()
+            for engine, got, want in ((a, 10, 1), (a, 11, 2), (b, 12, 0), (b, 13, 1)):
+                for t, u in zip(engine.block(got), engine.block(want), strict=True):
+                    assert t.equal(u), (engine.client.name, got, want)
+        finally:
+            a.close()
+            b.close()
+
+
 def test_pins_are_counted_apart_from_lookups(
     daemon: DaemonProcess, engines: tuple[Engine, Engine]
 ) -> None:

@@ -34,15 +34,16 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from kvsidecar.client import SidecarClient
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.cache import CacheNamespaceInfo
 from tests.support import ROOT
 from tests.support.daemons import DaemonProcess, make_config
 from tests.support.ports import tcp_endpoint
@@ -67,6 +68,8 @@ PIN_S = 1.0
 """The daemon's ``cache_pin_s``: how long a pin holds, so that a fault can outlast it."""
 REQUEST_S = 120.0
 """Bound on every request: a request that takes longer has hung."""
+
+T = TypeVar("T")
 
 
 def recipe_config() -> dict[str, Any]:
@@ -462,6 +465,16 @@ def _in_background(server: VllmServer, prompt: list[int]) -> tuple[threading.Thr
     return thread, out
 
 
+def _eventually(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 30.0) -> T:
+    """Read until ``done`` says so (what an engine's store changes lands after its answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = read()
+        if done(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def _wait_pinned(rig: Rig, blocks: int) -> None:
     deadline = time.monotonic() + 60
     with rig.client() as c:
@@ -674,7 +687,9 @@ def test_a_reset_of_the_connectors_cache_leaves_the_old_namespace_to_the_others(
     """``reset_prefix_cache(reset_connector=True)``, as after a weight update: ``pd`` stores into a
     namespace of its own from then on, and loads nothing from the one it shared (its blocks were
     computed with the old weights); ``docs`` keeps the old one and finds nothing of ``pd``'s new
-    blocks. Last in the module: ``pd`` and ``docs`` no longer share a cache after it."""
+    blocks. The old namespace held all of the daemon's ``cache_bytes``: it is made again at half,
+    empty, for the new one, and ``docs`` stores into it as before. Last in the module: ``pd`` and
+    ``docs`` no longer share a cache after it."""
     pd, docs = rig.servers["pd"], rig.servers["docs"]
     before = tokens(800, 200)
     pd.complete(before)
@@ -685,11 +700,25 @@ def test_a_reset_of_the_connectors_cache_leaves_the_old_namespace_to_the_others(
     after = tokens(801, 200)
     fresh = reference(rig, after)  # computed whole, as pd and docs compute it below
     same_outputs(pd.complete(after), fresh)
-    with rig.client() as c:
-        spaces = {n.fingerprint: n for n in c.status().cache_namespaces}
+    full = len(after) // BLOCK
+
+    def namespaces() -> dict[str, CacheNamespaceInfo]:
+        with rig.client() as c:
+            return {n.fingerprint: n for n in c.status().cache_namespaces}
+
+    # The stores are answered after the requests: wait for them, boundedly.
+    spaces = _eventually(
+        namespaces, lambda got: any(n.ready_blocks for f, n in got.items() if f != old)
+    )
     (new,) = set(spaces) - {old}
-    assert new.startswith(old + "~") and spaces[new].stored_blocks == len(after) // BLOCK
+    assert new.startswith(old + "~") and spaces[new].stored_blocks == full
+    assert spaces[old].workers == 1 and spaces[old].ready_blocks == 0  # docs's, made again empty
+    assert spaces[new].capacity_blocks + spaces[old].capacity_blocks <= (4 << 20) // BLOCK_BYTES
     hits = {s.name: s.metric("vllm:external_prefix_cache_hits_total") for s in (pd, docs)}
     same_outputs(docs.complete(after), fresh)  # computed: not in its namespace
     same_outputs(pd.complete(before), reference(rig, before))  # computed: the old one is not its
     assert {s.name: s.metric("vllm:external_prefix_cache_hits_total") for s in (pd, docs)} == hits
+    # docs stored what it computed into the old namespace: its cache works as before.
+    spaces = _eventually(namespaces, lambda got: got[old].ready_blocks >= full)
+    with rig.client() as c:
+        assert c.cache_lookup(old, block_hashes(after)).hits == full

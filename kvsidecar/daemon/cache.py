@@ -21,6 +21,8 @@ aside) of the storing worker; every later store and load must have the same laye
 blocks live in a buffer set reserved in the host pool: an equal share of ``cache_bytes`` per TP
 rank, as far as the pool has room. A namespace outlives its engines (a restarted engine finds its
 blocks); it goes when its room is needed for a new one and none of its workers is registered.
+When the namespaces in use leave a new one less than an equal share of ``cache_bytes``, those
+holding more are made again at an equal share, empty (a new model or a cache reset on the node).
 
 **Keys and slots** are kept by `kvsidecar.daemon.cache_index.CacheIndex`: a stored block is
 visible only once its copy has finished, and least recently used blocks are evicted when a
@@ -253,8 +255,24 @@ class PrefixCache:
         share = asked or self.config.cache_bytes // max(tp_size, 1)
         share = max(share, block_bytes + 4096 * len(layers))
         self._make_room(share)
+        self._share_room(share)
         left = self.config.cache_bytes - self.state().capacity_bytes
         budget = min(share, left, self.pool.free_bytes)  # the pool: mirrors use it too
+        buffers, blocks = self._buffers(key, layers, block_bytes, budget)
+        ns = Namespace(key, buffers, layers, CacheIndex(blocks), block_bytes)
+        self.namespaces[key] = ns
+        log.info("cache namespace %s/%s rank %d: %d blocks", key[0], key[1][:16], key[2], blocks)
+        return ns
+
+    def _buffers(
+        self,
+        key: NamespaceKey,
+        layers: dict[str, BufferDescriptor],
+        block_bytes: int,
+        budget: int,
+    ) -> tuple[BufferSet, int]:
+        """Reserve as many blocks of ``layers`` as ``budget`` bytes hold, in the host pool."""
+        assert self.pool is not None
         # Each layer starts on a 4 KiB boundary (`host_buffer_set`): keep room for the padding.
         blocks = (budget - 4096 * len(layers)) // block_bytes
         if blocks < 1:
@@ -265,11 +283,46 @@ class PrefixCache:
             )
         descs = [(n, msgspec.structs.replace(d, num_blocks=blocks)) for n, d in layers.items()]
         name = WorkerRef(f"cache:{key[0]}:{key[1][:16]}", tp_rank=key[2])
-        buffers = host_buffer_set(self.pool, (name, "cache"), descs)
-        ns = Namespace(key, buffers, layers, CacheIndex(blocks), block_bytes)
-        self.namespaces[key] = ns
-        log.info("cache namespace %s/%s rank %d: %d blocks", key[0], key[1][:16], key[2], blocks)
-        return ns
+        return host_buffer_set(self.pool, (name, "cache"), descs), blocks
+
+    def _share_room(self, need: int) -> None:
+        """Shrink the namespaces in use that hold more than an equal share, for a new one.
+
+        Without it the first namespace of the node (which takes all of ``cache_bytes`` by
+        default) would leave none to an engine of another model, or to one that reset its
+        cache while the others kept the old namespace. A namespace is shrunk by making it
+        again, smaller and empty: copying its blocks would hold the event loop for as long as
+        a copy of the whole cache. Only idle ones (no copy running, no pin) are shrunk; the
+        others keep their room until a later store asks again.
+        """
+        assert self.pool is not None
+        total = self.config.cache_bytes
+        fair = total // (len(self.namespaces) + 1)
+        want = min(need, fair)
+        for ns in sorted(self.namespaces.values(), key=lambda n: -n.capacity_bytes):
+            if total - self.state().capacity_bytes >= want:
+                return
+            if ns.capacity_bytes <= fair or ns.busy or ns.index.pinned:
+                continue
+            dropped = ns.index.ready
+            ns.buffers.close()
+            try:
+                ns.buffers, blocks = self._buffers(ns.key, ns.layers, ns.block_bytes, fair)
+            except SidecarError:  # the pool lent the room to a mirror meanwhile: drop it all
+                del self.namespaces[ns.key]
+                log.info("cache namespace %s/%s rank %d dropped for room", *ns.key)
+                continue
+            ns.index = CacheIndex(blocks)
+            self.metrics.evicted(dropped)
+            log.info(
+                "cache namespace %s/%s rank %d: shrunk to %d blocks for a new namespace "
+                "(%d blocks dropped)",
+                ns.key[0],
+                ns.key[1][:16],
+                ns.key[2],
+                blocks,
+                dropped,
+            )
 
     def _make_room(self, need: int) -> None:
         """Drop idle namespaces, least recently used first, until ``need`` bytes are free."""
