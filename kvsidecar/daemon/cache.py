@@ -305,15 +305,15 @@ class PrefixCache:
             if ns.capacity_bytes <= fair or ns.busy or ns.index.pinned:
                 continue
             dropped = ns.index.ready
+            self.metrics.evicted(dropped)
             ns.buffers.close()
             try:
                 ns.buffers, blocks = self._buffers(ns.key, ns.layers, ns.block_bytes, fair)
-            except SidecarError:  # the pool lent the room to a mirror meanwhile: drop it all
+            except SidecarError:  # the smaller set did not fit where the larger one was
                 del self.namespaces[ns.key]
                 log.info("cache namespace %s/%s rank %d dropped for room", *ns.key)
                 continue
             ns.index = CacheIndex(blocks)
-            self.metrics.evicted(dropped)
             log.info(
                 "cache namespace %s/%s rank %d: shrunk to %d blocks for a new namespace "
                 "(%d blocks dropped)",
