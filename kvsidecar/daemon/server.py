@@ -126,7 +126,7 @@ class Daemon(Dispatch):
         self.moves_failed_total = 0
         self.bytes_moved_total = 0
         self.errors_total = 0
-        # --- completions + metrics (issue 4: kvsidecar/completions.py, observability.py) ---
+        # --- completions and metrics ---
         self.completions = CompletionService()
         # --- prefix cache and connectors (kvsidecar/daemon/cache.py, worker_events.py) ---
         self.cache: PrefixCache | None = None

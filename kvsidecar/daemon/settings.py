@@ -247,7 +247,7 @@ SETTINGS: tuple[Setting, ...] = (
         "on the event loop, with the same checks and bookkeeping as every move; false sends "
         "them through the general command path (docs/architecture.md).",
     ),
-    # --- limits on sizes from the wire and on what one user may hold (issue 13) ---
+    # --- limits on sizes from the wire and on what one user may hold ---
     Setting(
         "max_layers",
         int,

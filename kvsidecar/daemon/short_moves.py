@@ -84,7 +84,7 @@ class ShortMoves(Edge, Commands):
         id_bytes = len(frames[2]) + len(frames[3])
         # More bytes of ids than a short move's, even as int64: leave before decoding the
         # header, which the general path then does once (decoding twice cost a 16 MiB move's
-        # loop ~28 µs, docs/benchmarks.md round 10).
+        # loop ~28 µs, docs/benchmarks.md).
         if id_bytes > _MAX_SHORT_ID_BYTES or self._too_large(len(header), len(header) + id_bytes):
             return None
         ident = frames[0].bytes
