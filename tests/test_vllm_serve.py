@@ -719,6 +719,6 @@ def test_a_reset_of_the_connectors_cache_leaves_the_old_namespace_to_the_others(
     same_outputs(pd.complete(before), reference(rig, before))  # computed: the old one is not its
     assert {s.name: s.metric("vllm:external_prefix_cache_hits_total") for s in (pd, docs)} == hits
     # docs stored what it computed into the old namespace: its cache works as before.
-    spaces = _eventually(namespaces, lambda got: got[old].ready_blocks >= full)
+    _eventually(namespaces, lambda got: got[old].ready_blocks >= full)
     with rig.client() as c:
         assert c.cache_lookup(old, block_hashes(after)).hits == full
