@@ -4,7 +4,8 @@
   with vLLM's ``KVTransferConfig`` and the connector's settings parser: a pod started from an
   example gets the connector, not an error at start.
 - The connector started on engine configs made by vLLM's ``EngineArgs``: what cannot work
-  (pipeline or decode context parallelism, non-causal attention) is refused with the reason;
+  (pipeline or decode context parallelism, non-causal attention, sleep mode, MLA under TP) is
+  refused with the reason;
   ``kv_load_failure_policy`` other than ``recompute`` is warned about; the namespace's
   fingerprint changes with what changes a block's bytes and with nothing else.
 - The connector's hooks against ``KVConnectorBase_V1`` of each tested vLLM and of the newest
@@ -115,11 +116,14 @@ def test_what_cannot_work_is_refused_at_start_and_the_namespace_follows_the_byte
         ("pipeline parallel", "pipeline parallelism (2 stages) is not supported"),
         ("decode context parallel", "decode context parallelism (2 ranks) is not supported"),
         ("non-causal", "encoder_only attention, whose prefixes vLLM does not cache"),
+        ("sleep mode", "sleep mode (--enable-sleep-mode) is not supported"),
+        ("MLA under TP", "MLA under tensor parallelism (2 ranks) is not supported"),
     ):
         assert why in started[case].get("refused", ""), (case, started[case])
     warned = [w for w in started["policy fail"]["warnings"] if "kv_load_failure_policy" in w]
     assert warned and "'fail'" in warned[0], started["policy fail"]
     assert not any("kv_load_failure_policy" in w for w in started["plain"]["warnings"])
+    assert "fingerprint" in started["MLA"], started["MLA"]  # one rank holds it: served
     plain = started["plain"]["fingerprint"]
     for case in ("longer context", "another seed", "policy fail"):
         assert started[case]["fingerprint"] == plain, case  # a block's bytes are the same

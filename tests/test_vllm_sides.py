@@ -195,6 +195,14 @@ def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
     side.layout = "vllm_cpu"
     assert side._pull_problem(32, "vllm_cpu") is None
     assert "'vllm_cpu_amx'" in (side._pull_problem(32, "vllm_cpu_amx") or "")
+    # vLLM 0.31+'s GPU cells (K then V in each token's head) are blocks of nothing else; their
+    # memory orders and block sizes are the daemon's to convert.
+    side.layout = "kv_cells"
+    assert side._pull_problem(32, "kv_cells") is None
+    for other in ("kv_first", "mla", "opaque", "vllm_cpu"):
+        assert "'kv_cells'" in (side._pull_problem(64, other) or ""), other
+    side.layout = "blocks_first"
+    assert side._pull_problem(32, "kv_first") is None
 
 
 # ------------------------------------------------------------------ the worker half, a real daemon

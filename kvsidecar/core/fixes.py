@@ -173,7 +173,7 @@ def _regions(
         return mem.unsqueeze(1).unsqueeze(3)  # (B, 1, N, 1, C): one head, order irrelevant
     if arrangement == "kv_first":
         return mem.transpose(0, 1)
-    if arrangement == "split":
+    if arrangement in ("split", "kv_cells"):
         return mem.unsqueeze(1)
     return mem
 

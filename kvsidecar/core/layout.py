@@ -10,6 +10,7 @@ Vocabulary (the same as ``types.BufferDescriptor``):
   ``(N, C)``. Its K and V are interleaved head by head, so its one *region* is the whole block.
   ``vllm_cpu_amx`` is the same tensor as vLLM's AMX kernels pack it (K and V in tiles of 16
   tokens or channels, see ``types.Arrangement``); it is described and moved the same way.
+  ``kv_cells`` (vLLM 0.31+'s GPU cache) is ``split`` whose cells hold K's channels, then V's.
 - The *memory order* says how one block's K or V region sits in memory: NHD is ``(N, H, C)``,
   HND is ``(H, N, C)``. Blocks are always the slowest dim inside their region.
 - A *region* is one block's K part or V part (or its whole latent for MLA): ``block_len`` bytes.
@@ -64,7 +65,7 @@ ShapeOrder: TypeAlias = Literal["NH", "HN"]
 
 _ARRANGEMENTS: tuple[Arrangement, ...] = get_args(Arrangement)
 _MEMORY_ORDERS: tuple[MemoryOrder, ...] = ("NHD", "HND")
-_RANK = dict(zip(_ARRANGEMENTS, (5, 5, 4, 3, 4, 4), strict=True))
+_RANK = dict(zip(_ARRANGEMENTS, (5, 5, 4, 3, 4, 4, 4), strict=True))
 """Dims of each arrangement's tensor, in `Arrangement`'s order."""
 CPU_PACKED: tuple[Arrangement, ...] = ("vllm_cpu", "vllm_cpu_amx")
 """vLLM's CPU caches ``(B, H, N, 2C)``: K and V of a head packed inside each block, by the ``vec``
@@ -141,9 +142,9 @@ def _check_descriptor(desc: BufferDescriptor) -> torch.dtype:
 def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """Return the shape the engine indexes, tokens before heads.
 
-    ``kv_first`` ``(2, B, N, H, C)``, ``blocks_first`` ``(B, 2, N, H, C)``, ``split``
-    ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)``, the shape vLLM's CPU
-    backend allocates (its last dim packs K transposed and V, see the module doc).
+    ``kv_first`` ``(2, B, N, H, C)``, ``blocks_first`` ``(B, 2, N, H, C)``, ``split`` and
+    ``kv_cells`` ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)`` (vLLM's
+    CPU backend's; its last dim packs K transposed and V, see the module doc).
     """
     _check_descriptor(desc)
     b, n, h, c = desc.num_blocks, desc.block_size, desc.num_heads, desc.head_size
@@ -153,7 +154,7 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
         return (2, b, n, h, c)
     if desc.arrangement == "blocks_first":
         return (b, 2, n, h, c)
-    if desc.arrangement == "split":
+    if desc.arrangement in ("split", "kv_cells"):
         return (b, n, h, c)
     return (b, n, c)
 

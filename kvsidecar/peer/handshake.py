@@ -142,6 +142,7 @@ def check_compatible(local: PeerEngine, remote: PeerEngine) -> None:
         "mla": 1,
         "vllm_cpu": 1,  # K and V interleave head by head: one region per block
         "vllm_cpu_amx": 1,
+        "kv_cells": 1,  # K then V in each (token, head) cell
     }
     if regions[local.arrangement] != regions[remote.arrangement]:
         raise IncompatiblePeer(
@@ -155,6 +156,13 @@ def check_compatible(local: PeerEngine, remote: PeerEngine) -> None:
         raise IncompatiblePeer(
             f"arrangement {local.arrangement!r} here vs {remote.arrangement!r} remote: vLLM's CPU "
             "kernels pack a block differently"
+        )
+    if "kv_cells" in (local.arrangement, remote.arrangement) and (
+        local.arrangement != remote.arrangement
+    ):
+        raise IncompatiblePeer(
+            f"arrangement {local.arrangement!r} here vs {remote.arrangement!r} remote: one "
+            "holds K and V in each cell of a block, the other does not"
         )
     if local.block_size % remote.block_size:
         raise IncompatiblePeer(

@@ -10,7 +10,9 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu", "vllm_cpu_amx"]
+Arrangement = Literal[
+    "kv_first", "blocks_first", "split", "mla", "vllm_cpu", "vllm_cpu_amx", "kv_cells"
+]
 """How K and V sit in one registered tensor.
 
 - ``kv_first``: ``(2, B, N, H, C)`` (FlashAttention)
@@ -25,6 +27,11 @@ Arrangement = Literal["kv_first", "blocks_first", "split", "mla", "vllm_cpu", "v
   ``(C/2, 16, 2)`` (channel pairs, then tokens, then the pair), followed by V in groups of 16
   channels, each ``(N/2, 16, 2)`` (token pairs, then channels, then the pair). Added like
   ``vllm_cpu``, after it.
+- ``kv_cells``: ``(B, N, H, K+V)``, the per-layer views vLLM 0.32+ gives its GPU attention
+  backends (FlashAttention, FlashInfer, Triton): one region per block whose every (token, head)
+  cell holds K's channels then V's (``head_size`` is the cell's channel count, K and V
+  together). It is moved, permuted, re-blocked and head-sliced exactly as ``split`` is (a cell
+  never splits), but never exchanged with another arrangement. Added like ``vllm_cpu``.
 """
 
 MemoryOrder = Literal["NHD", "HND"]

@@ -54,6 +54,33 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+MLA_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+}
+"""A tiny DeepSeek-V2 (MLA attention): vLLM builds its engine config from this alone."""
+
+
 def start(model: Path) -> dict[str, Any]:
     """Start the scheduler half on engine configs of each case; what each did."""
     from vllm.config import KVTransferConfig
@@ -66,6 +93,9 @@ def start(model: Path) -> dict[str, Any]:
     shutil.copytree(model, non_causal, dirs_exist_ok=True)
     config = json.loads((non_causal / "config.json").read_text())
     (non_causal / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    mla = model.parent / "mla"
+    mla.mkdir(exist_ok=True)
+    (mla / "config.json").write_text(json.dumps(MLA_CONFIG))  # the config is all a start reads
     records = _Records()
     log = logging.getLogger("vllm.kvsidecar")
     base = {"model": str(model), "skip_tokenizer_init": True, "block_size": 32}
@@ -80,11 +110,16 @@ def start(model: Path) -> dict[str, Any]:
         "pipeline parallel": {"pipeline_parallel_size": 2},
         "decode context parallel": {"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
         "non-causal": {"model": str(non_causal), "runner": "pooling"},
+        # vLLM refuses sleep mode on the CPU: the flag is set on the config it made, as on a GPU.
+        "sleep mode": {"model_config": {"enable_sleep_mode": True}},
+        "MLA": {"model": str(mla)},
+        "MLA under TP": {"model": str(mla), "tensor_parallel_size": 2},
     }
     out: dict[str, Any] = {}
     for name, case in cases.items():
         kw = dict(case)
         policy = kw.pop("policy", "recompute")
+        after = kw.pop("model_config", {})
         ktc = KVTransferConfig(
             kv_connector="KVSidecarConnector",
             kv_connector_module_path="kvsidecar.integrations.vllm",
@@ -98,6 +133,8 @@ def start(model: Path) -> dict[str, Any]:
         try:
             args = EngineArgs(**{**base, **kw, "kv_transfer_config": ktc})
             vllm_config = args.create_engine_config()
+            for key, value in after.items():
+                setattr(vllm_config.model_config, key, value)
         except Exception as exc:  # vLLM itself refused the combination
             out[name] = {"vllm_refused": f"{type(exc).__name__}: {exc}"[:300]}
             continue

@@ -44,7 +44,12 @@ from kvsidecar.integrations.vllm import metrics
 from kvsidecar.integrations.vllm.cpu_kernels import CpuKernels, cpu_packing, request_amx
 from kvsidecar.integrations.vllm.engine_config import cache_facts, check_supported
 from kvsidecar.integrations.vllm.keys import shareable_hashes
-from kvsidecar.integrations.vllm.layout import SharedMemoryTooSmall, detect_layout
+from kvsidecar.integrations.vllm.layout import (
+    CacheLayout,
+    SharedMemoryTooSmall,
+    detect_layout,
+    paged_views,
+)
 from kvsidecar.integrations.vllm.plan import StepPlan
 from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
@@ -256,19 +261,31 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, SidecarMetadata) else None
 
-    @_guarded(_nothing)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register vLLM's cache with the daemon (its layout read from the tensors)."""
+        """Register vLLM's cache with the daemon; refuse (`LayoutUnknown`) what it cannot hold.
+
+        vLLM 0.31+ on a GPU: ``[B, H, N, C]`` views with the strides of the resolved layout.
+        """
+        first = next(iter(kv_caches.values()), None)
+        if first is None or first.dim() != 4 or first.device.type == "cpu":
+            self._register(kv_caches, None)
+            return
+        use_mla = bool(self._vllm_config.model_config.use_mla)
+        self._register(*paged_views(kv_caches, self._kv_cache_config, use_mla=use_mla))
+
+    @_guarded(_nothing)
+    def _register(self, kv_caches: dict[str, torch.Tensor], layout: CacheLayout | None) -> None:
+        """Register; ``layout`` None: read from the tensors (the CPU's packing, 5-dim tensors)."""
         assert self._worker is not None
-        first = next(iter(kv_caches.values()))
-        packing = None
-        if first.dim() == 4:
+        if layout is None:
+            first = next(iter(kv_caches.values()))
             cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
-            packing = cpu_packing(first, cache_dtype, _cpu_kernels())
-        if packing == "vllm_cpu_amx":
-            request_amx()
+            packing = cpu_packing(first, cache_dtype, _cpu_kernels()) if first.dim() == 4 else None
+            if packing == "vllm_cpu_amx":
+                request_amx()
+            layout = detect_layout(first, cpu_packing=packing)
         try:
-            self._worker.register(kv_caches, detect_layout(first, cpu_packing=packing))
+            self._worker.register(kv_caches, layout)
         except SharedMemoryTooSmall as exc:
             log.error("kvsidecar: serving without the daemon: %s", exc)
 

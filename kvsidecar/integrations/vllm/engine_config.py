@@ -70,8 +70,9 @@ def check_supported(vllm_config: Any) -> None:
     """Refuse at start what the connector cannot do right: `SettingsError` says why.
 
     Pipeline parallelism and decode context parallelism (one rank does not hold a block's
-    every layer, or every token), and a prefix cache for models vLLM does not cache prefixes
-    of (non-causal attention: a block's KV depends on tokens after it).
+    every layer, or every token), MLA under TP (a latent replicated on every rank), sleep mode
+    (it remaps the cache the daemon mapped), and a prefix cache for models vLLM does not cache
+    prefixes of (non-causal attention: a block's KV depends on tokens after it).
     """
     parallel = vllm_config.parallel_config
     pp = int(getattr(parallel, "pipeline_parallel_size", 1))
@@ -87,6 +88,18 @@ def check_supported(vllm_config: Any) -> None:
             "each rank holds only some tokens of a block"
         )
     model = vllm_config.model_config
+    tp = int(getattr(parallel, "tensor_parallel_size", 1))
+    if tp > 1 and getattr(model, "use_mla", False):
+        raise SettingsError(
+            f"kvsidecar connector: MLA under tensor parallelism ({tp} ranks) is not supported: "
+            "every rank holds the same latent, which the daemon would store once per rank"
+        )
+    if getattr(model, "enable_sleep_mode", False):
+        raise SettingsError(
+            "kvsidecar connector: sleep mode (--enable-sleep-mode) is not supported: its "
+            "CuMemAllocator frees and remaps the KV cache that the daemon has mapped, so the "
+            "daemon would read and write memory the engine no longer owns"
+        )
     supported = getattr(model, "is_prefix_caching_supported", True)
     attn_type = str(getattr(model, "attn_type", "decoder"))
     if not supported or attn_type not in ("decoder", "hybrid"):

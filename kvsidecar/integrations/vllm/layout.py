@@ -13,16 +13,24 @@ vLLM hands its workers plain tensors, one per layer. Their layout is read from t
   kernel. Any other packing is *opaque*:
   registered as one dense region per block (``split``, HND, head size ``2C``), which moves whole
   blocks correctly but cannot be re-blocked, so the connector refuses block-size changes for it.
+
+vLLM 0.32+ on GPUs gives every layer a 4-dim ``[B, H, N, C]`` view of one buffer, its strides set
+by the ``KVCacheLayout`` the engine core resolved (`paged_views`): each cell's ``C`` channels are
+K's then V's (FlashAttention, FlashInfer and Triton split them so), registered as ``kv_cells``;
+MLA's ``[B, 1, N, C]`` latent as ``mla``. Only layouts whose layer's blocks are one dense region
+each (``LBNHC``, NHD, and ``LBHNC``, HND) can be; the others are refused at start, by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from kvsidecar.core.layout import CPU_PACKED, ShapeOrder
+from kvsidecar.core.layout import CPU_PACKED, LayoutError, ShapeOrder, describe_tensor
 from kvsidecar.wire.types import Arrangement, MemoryOrder
 
 
@@ -40,7 +48,7 @@ class CacheLayout:
     shape_order: ShapeOrder
     name: str
     """What disaggregated prefill tells the other engine: ``vllm_cpu``, ``vllm_cpu_amx``,
-    ``opaque``, ``kv_first``, ``blocks_first`` or ``mla``."""
+    ``opaque``, ``kv_first``, ``blocks_first``, ``kv_cells`` or ``mla``."""
 
 
 def detect_layout(t: torch.Tensor, *, cpu_packing: Arrangement | None) -> CacheLayout:
@@ -61,6 +69,91 @@ def detect_layout(t: torch.Tensor, *, cpu_packing: Arrangement | None) -> CacheL
             return CacheLayout(cpu_packing, "HND", "NH", cpu_packing)
         return CacheLayout("split", "HND", "HN", "opaque")
     raise LayoutUnknown(f"a KV cache tensor of shape {shape} on {t.device} is not a known layout")
+
+
+PAGED_LAYOUTS: dict[str, MemoryOrder] = {"LBNHC": "NHD", "LBHNC": "HND"}
+"""vLLM's ``KVCacheLayout`` names the connector registers, and the memory order of a block in
+each: the layer-compact ones, whose layer's blocks are each one dense region."""
+
+
+def paged_views(
+    kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any, *, use_mla: bool
+) -> tuple[dict[str, torch.Tensor], CacheLayout]:
+    """Return vLLM 0.31+'s per-layer views as the daemon registers them, and their layout.
+
+    ``kv_cache_config`` is vLLM's ``KVCacheConfig``: its ``kv_cache_layout`` (the
+    ``KVCacheLayout`` the engine resolved; unnamed: read from the strides) and ``num_blocks``
+    (the scheduler's blocks per layer). Where the attention kernels split a scheduler block into
+    kernel blocks (the views' first dim is a multiple of ``num_blocks``), each scheduler block's
+    kernel blocks are viewed as one block, which is exact when they hold consecutive tokens one
+    after another (NHD, or one head). Raises `LayoutUnknown`, saying what to change, for
+    anything else: other layouts, padded pages, tensors that are not 4-dim attention views (a
+    hybrid model's state).
+    """
+    kv_cache_layout = str(getattr(kv_cache_config, "kv_cache_layout", "") or "")
+    num_blocks = int(kv_cache_config.num_blocks)
+    if kv_cache_layout and kv_cache_layout not in PAGED_LAYOUTS:
+        raise LayoutUnknown(
+            f"vLLM's KV cache layout {kv_cache_layout} does not keep a layer's block in one "
+            f"dense region, which the daemon copies whole; set VLLM_KV_CACHE_LAYOUT to one of "
+            f"{', '.join(PAGED_LAYOUTS)} (or use an attention backend that accepts them)"
+        )
+    views: dict[str, torch.Tensor] = {}
+    for name, t in kv_caches.items():
+        if t.dim() != 4:
+            raise LayoutUnknown(
+                f"layer {name!r} holds a tensor of shape {tuple(t.shape)}, not a [B, H, N, C] "
+                "attention view (a hybrid model's state?): only attention KV can be cached"
+            )
+        views[name] = _scheduler_blocks(name, t, num_blocks)
+    first = next(iter(views.values()), None)
+    if first is None:
+        raise LayoutUnknown("vLLM registered no KV cache layers")
+    if use_mla:
+        if first.shape[1] != 1:
+            raise LayoutUnknown(f"an MLA cache of shape {tuple(first.shape)} has more than 1 head")
+        views = {name: t[:, 0] for name, t in views.items()}
+        cache_layout = CacheLayout("mla", None, "NH", "mla")
+    else:
+        order = PAGED_LAYOUTS.get(kv_cache_layout)
+        cache_layout = CacheLayout("kv_cells", order, "HN", "kv_cells")
+    for name, t in views.items():
+        try:
+            describe_tensor(
+                t,
+                arrangement=cache_layout.arrangement,
+                memory_order=cache_layout.memory_order,
+                shape_order=cache_layout.shape_order,
+            )
+        except LayoutError as exc:
+            raise LayoutUnknown(
+                f"layer {name!r} ({kv_cache_layout or 'layout unnamed'}) cannot be registered: "
+                f"{exc} (padded pages are not supported)"
+            ) from None
+    return views, cache_layout
+
+
+def _scheduler_blocks(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View ``t``'s kernel blocks grouped into the scheduler's ``num_blocks`` blocks."""
+    kernel_blocks, _, tokens, _ = t.shape
+    if num_blocks < 1 or kernel_blocks % num_blocks:
+        raise LayoutUnknown(
+            f"layer {name!r} has {kernel_blocks} kernel blocks, not a multiple of vLLM's "
+            f"{num_blocks} blocks"
+        )
+    ratio = kernel_blocks // num_blocks
+    if ratio == 1:
+        return t
+    b, h, n, c = t.stride()
+    if b != tokens * n and t.shape[1] > 1:
+        raise LayoutUnknown(
+            f"vLLM splits each block of layer {name!r} into {ratio} kernel blocks of {tokens} "
+            "tokens whose heads come first (HND): one block's tokens are not one after another "
+            "in memory. Use VLLM_KV_CACHE_LAYOUT=LBNHC, or a --block-size of "
+            f"{tokens} (the kernels' own)"
+        )
+    shape = (num_blocks, t.shape[1], tokens * ratio, t.shape[3])
+    return t.as_strided(shape, (b * ratio, h, n, c))
 
 
 class SharedMemoryTooSmall(RuntimeError):

@@ -47,7 +47,9 @@ MAX_BLOCK_SIZE = 1 << 16
 """Largest producer block size accepted (vLLM's are 16 to a few thousand tokens)."""
 MAX_BLOCK_ID = (1 << 31) - 1
 """Largest block id accepted: no engine has that many blocks."""
-LAYOUTS = frozenset({"vllm_cpu", "vllm_cpu_amx", "opaque", "kv_first", "blocks_first", "mla"})
+LAYOUTS = frozenset(
+    {"vllm_cpu", "vllm_cpu_amx", "opaque", "kv_first", "blocks_first", "mla", "kv_cells"}
+)
 """The cache layouts a producer can report (`kvsidecar.integrations.vllm.layout.CacheLayout`)."""
 
 

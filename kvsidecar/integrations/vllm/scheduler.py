@@ -39,7 +39,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kvsidecar.client import SidecarError
-from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.params import (
     Ignored,
@@ -54,6 +53,8 @@ from kvsidecar.integrations.vllm.settings import ConnectorSettings
 
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
+
+TWO_REGIONS = frozenset({"kv_first", "blocks_first"})  # K's region, then V's: pulled between
 
 
 class RequestView(Protocol):
@@ -266,10 +267,10 @@ class SchedulerSide:
             return f"block size {self.block_size} is not a multiple of the producer's {remote_bs}"
         if remote_bs != self.block_size and "opaque" in (remote_layout, self.layout):
             return "block sizes differ and a cache layout is one the daemon cannot re-block"
-        packed = {remote_layout, self.layout} & set(CPU_PACKED)
-        if packed and remote_layout != self.layout:
-            # vLLM's vec and amx CPU kernels pack a block differently (the ISA follows the CPU,
-            # the dtype and the block size): the daemon would refuse the pull.
+        layouts = {remote_layout, self.layout}
+        if "" not in layouts and len(layouts) > 1 and not layouts <= TWO_REGIONS:
+            # vLLM's CPU kernels pack a block each their own way (the ISA follows the CPU, the
+            # dtype, the block size); cells hold K and V together: the daemon would refuse it.
             return f"the producer's cache is {remote_layout!r}, this engine's {self.layout!r}"
         return None
 
