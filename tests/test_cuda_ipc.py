@@ -13,6 +13,7 @@ import asyncio
 import gc
 import threading
 import weakref
+from typing import Any
 
 import msgspec
 import pytest
@@ -32,7 +33,9 @@ from kvsidecar.memory.cuda_ipc import (
 )
 from kvsidecar.memory.cuda_sync import check_events
 from kvsidecar.memory.fd_client import FdChannelClient
+from kvsidecar.wire.cache import CacheLoad, CacheStore
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Register, Registered
+from kvsidecar.wire.pulls import Pull
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, MoveEvents
 from tests.helpers import cuda_engine
 from tests.helpers.raw import raw_call
@@ -297,6 +300,18 @@ def test_move_events_round_trip_and_older_moves_decode() -> None:
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(move))
     del raw["events"]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=Move).events is None
+    # The connector's copies carry the same events; older senders' messages decode without.
+    for msg in (
+        CacheStore(id=4, source=BufferSetRef(WorkerRef("a")), fingerprint="fp"),
+        CacheLoad(id=5, target=BufferSetRef(WorkerRef("a")), fingerprint="fp"),
+        Pull(id=6, engine_id="a", remote_endpoint="", remote_engine_id="p", items=[]),
+    ):
+        typed = type(msg)
+        carried = msgspec.structs.replace(msg, events=events)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(carried), type=typed) == carried
+        old = msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
+        del old["events"]
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=typed).events is None
     check_events(events)
     check_events(MoveEvents(GPU0, b"\x01" * 64))  # done is optional
     for bad in (
@@ -355,6 +370,50 @@ async def test_events_go_with_gpu_moves_only_and_cpu_memory_refuses_them() -> No
         assert info.value.code == "invalid_message" and "CPU memory" in info.value.message
         assert sync.calls == ["before"]  # `after` only on success
         assert all(torch.equal(now, was) for now, was in zip(caches, before, strict=True))
+
+
+async def test_stores_loads_and_pulls_carry_the_ready_event_and_cpu_memory_refuses_it() -> None:
+    """The connector's copies are ordered like moves: the ready event is recorded as each is
+    built (on the caller's stream, before it is sent); a daemon refuses events on CPU memory,
+    typed, storing and writing nothing."""
+    caches = allocate_kv_caches(2, (2, 4, 4, 2, 8), torch.float16)
+    for i, t in enumerate(caches):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float16).view(t.shape) + i)
+    before = [t.clone() for t in caches]
+    keys = [b"\x01" * 32, b"\x02" * 32]
+    async with (
+        run_daemon(make_config(cache_bytes=1 << 20)) as daemon,
+        AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as client,
+    ):
+        reg = await client.register_kv_caches({"l0": caches[0], "l1": caches[1]}, engine_id="c")
+        plain = client._cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
+        assert plain.req.events is None  # CPU memory: nothing recorded, nothing sent
+        sync = RecordingSync()
+        client._cuda_syncs[reg.worker] = sync
+        store = client._cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
+        load = client._cache_load("fp", keys, [2, 3], worker=None, pin_id=0, timeout=None)
+        pull_args: dict[str, Any] = {
+            "pp_rank": 0,
+            "medium": "device",
+            "timeout_s": 5.0,
+            "remote_request_ids": None,
+            "plane": "",
+            "timeout": None,
+        }
+        rank_pull = client._pull("c", "", "p", {"r": ([0], [2])}, tp_rank=0, **pull_args)
+        engine_pull = client._pull("c", "", "p", {"r": ([0], [2])}, tp_rank=None, **pull_args)
+        assert [c.req.events for c in (store, load, rank_pull)] == [sync.events] * 3
+        assert engine_pull.req.events is None  # the scheduler's pull of every rank: no one stream
+        assert sync.calls == ["before"] * 3
+        for call in (store, load, rank_pull):
+            with pytest.raises(SidecarError) as info:
+                await client._run(call)
+            assert info.value.code == "invalid_message", info.value
+            assert "CPU memory" in info.value.message
+        hits = await client.cache_lookup("fp", keys)
+        assert hits.hits == 0  # the refused store published nothing
+        assert all(torch.equal(now, was) for now, was in zip(caches, before, strict=True))
+        assert (await client.status()).engines  # and the daemon serves on
 
 
 # --- the GPU checks' own logic, on shared CPU memory --------------------------------------------

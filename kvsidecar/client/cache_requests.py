@@ -68,14 +68,16 @@ class _CacheRequests(_Base):
     ) -> _Call[CacheStored, CacheStored]:
         size, frame = _key_frame(keys)
         ids = _as_id_array(block_ids)
+        source = BufferSetRef(worker or self.worker)
         req = CacheStore(
             id=self._codec.next_id(),
-            source=self._stamp(BufferSetRef(worker or self.worker)),
+            source=self._stamp(source),
             fingerprint=fingerprint,
             key_size=size,
             ids_dtype=_dtype_of(ids),
             not_after=not_after,
             capacity_bytes=capacity_bytes,
+            events=self._ready(source),
         )
         return _Call(req, CacheStored, _reply, (frame, ids), timeout)
 
@@ -92,14 +94,16 @@ class _CacheRequests(_Base):
     ) -> _Call[CacheLoaded, CacheLoaded]:
         size, frame = _key_frame(keys)
         ids = _as_id_array(block_ids)
+        target = BufferSetRef(worker or self.worker)
         req = CacheLoad(
             id=self._codec.next_id(),
-            target=self._stamp(BufferSetRef(worker or self.worker)),
+            target=self._stamp(target),
             fingerprint=fingerprint,
             key_size=size,
             ids_dtype=_dtype_of(ids),
             pin_id=pin_id,
             not_after=not_after,
+            events=self._ready(target),
         )
         return _Call(req, CacheLoaded, _reply, (frame, ids), timeout)
 

@@ -25,7 +25,7 @@ from kvsidecar.wire.curve import KeyPair, client_keys_from_env, secure_client_so
 from kvsidecar.wire.endpoints import default_endpoint
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import HelloReply, Registered, Request
-from kvsidecar.wire.types import Arrangement, BufferSetRef, MemoryOrder, WorkerRef
+from kvsidecar.wire.types import Arrangement, BufferSetRef, MemoryOrder, MoveEvents, WorkerRef
 
 log = logging.getLogger("kvsidecar.client")
 
@@ -206,6 +206,17 @@ class _Base:
         if len(found) == 2 and found[0] is not found[1]:
             SyncBeforeSend(found[1].device).before()
         return found[0] if found else None
+
+    def _ready(self, ref: BufferSetRef) -> MoveEvents | None:
+        """Order a copy of ``ref``'s GPU memory after what the caller's stream enqueued so far.
+
+        Records the ready event on the caller's current stream (a daemon without
+        ``cuda_events``: synchronises that stream) and returns the events to send; None for
+        memory that is not this client's GPU memory. The copy's reply comes once it finished on
+        the GPU, so a caller that waits for it may read the blocks.
+        """
+        sync = self._cuda_syncs.get(ref.worker) if ref.medium == "device" else None
+        return None if sync is None else sync.before()
 
     def _start_reconnect(self, timeout: float | None) -> _Backoff:
         """Begin ``reconnect``: drop the dead daemon's fd channel and start the clock.

@@ -329,6 +329,9 @@ class _Requests(_CacheRequests):
             medium=medium,
             timeout_s=timeout_s,
             plane=plane,
+            events=None
+            if tp_rank is None
+            else self._ready(BufferSetRef(WorkerRef(engine_id, tp_rank, pp_rank), medium)),
         )
         # The daemon bounds the pull itself; wait a little longer for its verdict.
         if timeout is None:

@@ -22,6 +22,7 @@ import msgspec
 
 from kvsidecar.daemon.cache import Namespace, PrefixCache, slot_ids, split_keys, worker_of
 from kvsidecar.daemon.commands import Commands, ReplySink
+from kvsidecar.daemon.copy_events import cuda_devices, event_device
 from kvsidecar.daemon.jobs import Job, move_job
 from kvsidecar.wire.cache import (
     CacheHits,
@@ -167,6 +168,7 @@ class CacheCommands(Commands):
         cache = self._cache_service()
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
         worker = worker_of(self.registry, req.source.worker, req.source.epoch, req.source.medium)
+        event_device(cuda_devices(worker.device), req.events)  # even when nothing is copied
         cache.sweep_pins(time.monotonic())
         ns = cache.namespace_for(
             owner, req.fingerprint, worker, create=True, capacity_bytes=req.capacity_bytes
@@ -188,6 +190,7 @@ class CacheCommands(Commands):
                 ns.buffers,
                 ids[res.positions],
                 slot_ids(res.slots),
+                events=req.events,
             )
         except SidecarError:
             ns.index.commit(stored, res.slots, ok=False)
@@ -232,6 +235,7 @@ class CacheCommands(Commands):
         cache = self._cache_service()
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
         worker = worker_of(self.registry, req.target.worker, req.target.epoch, req.target.medium)
+        event_device(cuda_devices(worker.device), req.events)  # even when nothing is copied
         ns = cache.namespace_for(owner, req.fingerprint, worker, create=False)
         slots = [None] * len(keys) if ns is None else ns.index.slots(keys)
         found = [i for i, s in enumerate(slots) if s is not None]
@@ -245,7 +249,9 @@ class CacheCommands(Commands):
                 id=req.id, loaded=0, nbytes=0, seconds=0.0, missing_block_ids=missing
             )
             return loaded, ()
-        job = move_job(self.registry, ns.buffers, worker.device, slot_ids(held), ids[found])
+        job = move_job(
+            self.registry, ns.buffers, worker.device, slot_ids(held), ids[found], events=req.events
+        )
         if req.not_after:
             job = _not_after(job, req.not_after)
         # The job's own pin from now until its copy ends; the lookup's pin is done with.

@@ -27,9 +27,8 @@ import torch
 
 from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received, needs_fix
+from kvsidecar.daemon.copy_events import on_copy_streams
 from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
-from kvsidecar.memory import cuda_ipc, cuda_sync
-from kvsidecar.memory.base import HandleError
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import FixLayout, Move
@@ -376,7 +375,7 @@ def move_job(
     return Job(
         reads={src.key: src_ids},
         writes={dst.key: dst_ids},
-        run=_on_copy_streams(run if fixes else copy, pair.cuda_devices, events),
+        run=on_copy_streams(run if fixes else copy, pair.cuda_devices, events),
         blocks=int(dst_ids.size),
         fixed=bool(fixes),
         workers=frozenset({src.key[0], dst.key[0]}),
@@ -422,39 +421,6 @@ def _check_ids(
         )
 
 
-def _on_copy_streams(
-    run: Callable[[], int], devices: tuple[int, ...], events: MoveEvents | None
-) -> Callable[[], int]:
-    """Run a CUDA move on the copy thread's own streams, ordered by the caller's events.
-
-    Checked here, on the loop: the event handles' sizes and that their GPU is one the move
-    touches (`cuda_sync.ordered` records ``done`` on that GPU's stream). A CPU move (no
-    ``devices``) runs as it is.
-    """
-    if not devices:
-        if events is not None:
-            raise SidecarError("invalid_message", "a move of CPU memory takes no CUDA events")
-        return run
-    event_device: int | None = None
-    if events is not None:
-        try:
-            cuda_sync.check_events(events)
-            event_device = cuda_ipc.local_index(events.device_uuid, cuda_ipc.visible_device_uuids())
-        except HandleError as exc:
-            raise SidecarError("invalid_message", f"move events: {exc}") from None
-        if event_device not in devices:
-            raise SidecarError(
-                "invalid_message",
-                f"move events are of GPU {events.device_uuid}, which the move does not touch",
-            )
-
-    def ordered_run() -> int:
-        with cuda_sync.ordered(devices, events, event_device):
-            return run()
-
-    return ordered_run
-
-
 def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
     """Check a fix-layout completely and return its job; raises `SidecarError` on any problem."""
     target = registry.buffer_set(cmd.target)
@@ -487,7 +453,7 @@ def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
     return Job(
         reads={},
         writes={target.key: ids},
-        run=_on_copy_streams(run, devices, None),
+        run=on_copy_streams(run, devices, None),
         blocks=int(ids.size),
         fixed=True,
         workers=frozenset({target.key[0]}),

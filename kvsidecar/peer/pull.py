@@ -1,18 +1,15 @@
 """The consumer side of node-to-node transfer: one pull, from its checks to its completion event.
 
 `check_pull` checks a `Pull` completely against this daemon's registry (typed errors, nothing
-sent). `PeerPull.run` then takes the pull's steps, bounded by its timeout (a dead or silent peer
-fails the request, it never hangs):
+sent); `PeerPull.run` takes its steps, bounded by its timeout (a dead or silent peer fails it):
 
 1. handshake: `PeerHello` -> `PeerWelcome` with the remote daemon; the data plane is chosen;
-2. plan: the compatibility check (typed ``incompatible_peer`` error naming the mismatch, before
-   any byte moves) and every local rank's reads (`kvsidecar.peer.plan`);
-3. transfer, each request on its own: the reads on the chosen data plane, the layout fixes on
-   the copy executor, then the producer ranks' notifications;
-4. completion: one `PeerCompletion` for the pull (finished and failed requests, the failed ones'
-   local blocks as invalid) and its `Pulled` reply.
-
-A pull that fails before any read fails every request it carries.
+2. plan: the compatibility check (``incompatible_peer`` naming the mismatch, before any byte
+   moves) and every local rank's reads (`kvsidecar.peer.plan`);
+3. transfer, once the caller's ready event has passed (`kvsidecar.daemon.copy_events`), each
+   request on its own: the reads, the layout fixes on the copy executor, the notifications;
+4. completion: one `PeerCompletion` (finished and failed requests, the failed ones' local blocks
+   invalid) and the `Pulled` reply. A pull that fails before any read fails every request.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ import torch
 import zmq
 
 from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.copy_events import ready_of, ready_passed
 from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.jobs import fix_layers
 from kvsidecar.daemon.registry import BufferSet, Engine, Worker
@@ -113,7 +111,8 @@ def check_pull(
             strict=True,
         )
     ]
-    return PeerPull(service, req, local, ranks, items, timeout, may_read)
+    ready = ready_of([r.buffers for r in ranks], req.events)
+    return PeerPull(service, req, local, ranks, items, timeout, may_read, ready)
 
 
 def _local_ranks(
@@ -181,6 +180,7 @@ class PeerPull:
     timeout: float
     may_read: Callable[[str], bool]
     """Whether the sender may read an engine of this daemon (`check_pull`)."""
+    ready: tuple[int, bytes] | None = None  # the caller's event (GPU, handle): write after it
     started: float = 0.0
     deadline: float = 0.0
     """Loop time by which every step is done (set by `run`)."""
@@ -219,6 +219,8 @@ class PeerPull:
             agent=welcome.nixl_agent,
             plane=self.service.planes[plane_name],
         )
+        if self.ready is not None and not await ready_passed(*self.ready, self.deadline):
+            return self._fail("timeout", "the engine's stream did not reach the pull's event")
         outcomes = await asyncio.gather(
             *(
                 self._transfer(source, item, item_plans, verdict.refused)
@@ -276,8 +278,7 @@ class PeerPull:
     def _remote_engine(self, welcome: PeerWelcome) -> PeerEngine:
         req = self.req
         if welcome.daemon_id == self.service.daemon_id and not self.may_read(req.remote_engine_id):
-            # This daemon's own peer endpoint, however spelled: its engines are read like a
-            # move's source, with the sender's rights.
+            # This daemon's own peer endpoint, however spelled: read with the sender's rights.
             self._report_failed()
             raise SidecarError(
                 "forbidden",
@@ -296,9 +297,8 @@ class PeerPull:
         if not self.req.remote_endpoint:
             return LOCAL_PLANE  # this daemon's own engines: copied in memory
         pref = self.pref
-        both_nixl = (
-            self.service.nixl is not None and "nixl" in welcome.planes and welcome.nixl_metadata
-        )
+        offered = self.service.nixl is not None and "nixl" in welcome.planes
+        both_nixl = offered and bool(welcome.nixl_metadata)
         if pref == "nixl" and not both_nixl:
             self._report_failed()
             raise SidecarError(

@@ -13,7 +13,7 @@ import msgspec
 
 from kvsidecar.wire.bases import ReplyBase as _Reply
 from kvsidecar.wire.bases import RequestBase as _Request
-from kvsidecar.wire.types import BufferSetRef, IdsDtype, WorkerRef
+from kvsidecar.wire.types import BufferSetRef, IdsDtype, MoveEvents, WorkerRef
 
 
 class CacheLookup(_Request, tag="cache_lookup", frozen=True):
@@ -48,6 +48,9 @@ class CacheStore(_Request, tag="cache_store", frozen=True):
     capacity_bytes: int = 0
     """Size of the namespace if this store creates it (per rank); 0: ``cache_bytes`` divided by
     the engine's TP size. Capped by what ``cache_bytes`` has left."""
+    events: MoveEvents | None = None
+    """For GPU memory: the caller's ``ready`` event, recorded on the stream that computes the
+    blocks; the copy waits for it, so it reads what that stream wrote (`Move.events`)."""
 
 
 class CacheLoad(_Request, tag="cache_load", frozen=True):
@@ -66,6 +69,9 @@ class CacheLoad(_Request, tag="cache_load", frozen=True):
     ids_dtype: IdsDtype = "int64"
     pin_id: int = 0
     not_after: float = 0.0
+    events: MoveEvents | None = None
+    """For GPU memory: the caller's ``ready`` event; the copy waits for it, so it overwrites no
+    block that a kernel enqueued before the load still reads (`Move.events`)."""
 
 
 class TakeWorkerEvents(_Request, tag="take_worker_events", frozen=True):

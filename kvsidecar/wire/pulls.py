@@ -15,7 +15,7 @@ import msgspec
 from kvsidecar.wire.bases import ReplyBase as _Reply
 from kvsidecar.wire.bases import RequestBase as _Request
 from kvsidecar.wire.reports import PeerCompletion
-from kvsidecar.wire.types import IdsDtype, Medium, PromptDigest
+from kvsidecar.wire.types import IdsDtype, Medium, MoveEvents, PromptDigest
 
 
 class PullItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -57,6 +57,9 @@ class Pull(_Request, tag="pull", frozen=True):
     timeout_s: float = 0.0
     plane: Literal["", "zmq", "nixl"] = ""
     """Data plane for this pull; "" = the daemon's ``peer_data_plane`` setting."""
+    events: MoveEvents | None = None
+    """For GPU memory of one rank (``tp_rank`` given): the caller's ``ready`` event; no block is
+    written before the caller's stream has reached it (`Move.events`)."""
 
 
 class Publish(_Request, tag="publish", frozen=True):
