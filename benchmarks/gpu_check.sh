@@ -9,7 +9,9 @@
 #      or a new .venv-gpu with `pip install torch`), plus the packages kvsidecar needs, installed
 #      into .gpu-site (from the package index, or offline from $KVSIDECAR_WHEELS or ./.whl)
 #   3. checks: `pytest -m gpu` (tests/test_gpu.py, test_memory.py, test_mover.py): one PASS/FAIL
-#      line per check, with the failure's message
+#      line per check, with the failure's message; among them the vLLM connector's GPU path
+#      (vLLM 0.31+'s [B, H, N, K+V] cache views registered through the connector, a store sent
+#      while a kernel still writes its blocks, a load and a pull, each ordered by its event)
 #   4. bandwidth: `kvsidecar bench gpu` (daemon offload/onboard/engine-to-engine against the
 #      worker's own torch copies): one RATIO line per path
 #

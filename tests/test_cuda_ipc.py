@@ -431,3 +431,12 @@ def test_engine_roundtrip_check_logic_on_cpu() -> None:
     a[1][:, 4] = 1.0
     assert cuda_engine.compare(b, [2], a, [4]) and not cuda_engine.compare(b, [2], a, [3])
     assert cuda_engine.untouched(a, set()) and not cuda_engine.untouched(a, {4})
+
+
+def test_engine_connector_check_logic_on_cpu() -> None:
+    """tests/helpers/cuda_engine.py's connector check (vLLM 0.31+'s GPU views through the
+    connector's worker half; run on GPUs by test_gpu.py) passes on CPU memory."""
+    with daemon_process(make_config(host_pool_bytes=16 << 20, cache_bytes=8 << 20)) as daemon:
+        result = cuda_engine.connector(daemon.config.endpoint, torch.device("cpu"))
+    assert result["ok"], result
+    assert result["events"] is False  # CPU memory: nothing to order

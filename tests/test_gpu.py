@@ -74,6 +74,13 @@ def test_gpu_move_waits_for_the_engines_kernel() -> None:
     assert result["ok"], result
 
 
+def test_gpu_connector_paged_views_store_load_and_pull_after_the_engines_kernel() -> None:
+    """vLLM 0.31+'s cache views through the connector: stores wait for the forward's writes."""
+    with daemon_process(make_config(host_pool_bytes=64 << 20, cache_bytes=32 << 20)) as daemon:
+        result = engine("connector", daemon)
+    assert result["ok"] and result["events"], result
+
+
 def test_gpu_vmm_path_serves_expandable_segments() -> None:
     """A cache legacy CUDA IPC cannot share goes by VMM fds and moves like any other."""
     with gpu_daemon() as daemon:

@@ -20,6 +20,12 @@ Checks:
   checked as in ``roundtrip``.
 - ``refused``: the same memory against a daemon without ``cuda_vmm``: a typed ``not_shareable``
   naming the setting (or, against a daemon that cannot see this GPU, ``handle_error``).
+- ``connector``: the vLLM connector's GPU path: caches allocated as vLLM 0.31+ does (one buffer,
+  a ``[B, H, N, K+V]`` view per layer, ``LBNHC`` and ``LBHNC``), registered through
+  `paged_views` and `WorkerSide`; A's blocks written behind a sleep kernel and stored at once
+  (the store must wait for the writes), loaded into B, and pulled into C (HND, blocks twice as
+  large); tokens compared as the attention backends read them. A control store without events
+  reports whether it read stale data.
 """
 
 from __future__ import annotations
@@ -29,11 +35,16 @@ import json
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from kvsidecar.client import BufferSetRef, SidecarClient, SidecarError, WorkerRef
+from kvsidecar.integrations.vllm.layout import paged_views
+from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
+from kvsidecar.integrations.vllm.settings import ConnectorSettings
+from kvsidecar.integrations.vllm.worker import WorkerSide
 from kvsidecar.memory import HandleError, allocate_kv_caches
 
 LAYERS = 2
@@ -214,7 +225,116 @@ def refused(endpoint: str, device: torch.device) -> dict[str, Any]:
     return {"ok": False, "detail": "registered: it should have been refused"}
 
 
-CHECKS = {"roundtrip": roundtrip, "events": events, "vmm": vmm, "refused": refused}
+def paged_cache(
+    device: torch.device, layout: str, tokens: int, blocks: int = BLOCKS
+) -> tuple[dict[str, torch.Tensor], SimpleNamespace]:
+    """vLLM 0.31+'s allocation for a layer-compact layout: one int8 buffer, a ``[B, H, N, K+V]``
+    view per layer (``LBNHC``: tokens outer in a block, ``LBHNC``: heads outer), and the
+    ``KVCacheConfig`` fields the connector reads."""
+    cell = 2 * HEAD
+    page = HEADS * tokens * cell * DTYPE.itemsize
+    raw = torch.zeros(LAYERS * blocks * page, dtype=torch.int8, device=device)
+    views = {}
+    for layer in range(LAYERS):
+        region = raw[layer * blocks * page : (layer + 1) * blocks * page].view(DTYPE)
+        if layout == "LBNHC":
+            view = region.view(blocks, tokens, HEADS, cell).permute(0, 2, 1, 3)
+        else:
+            view = region.view(blocks, HEADS, tokens, cell)
+        views[f"layer{layer}"] = view
+    return views, SimpleNamespace(kv_cache_layout=layout, num_blocks=blocks)
+
+
+def kv_tokens(views: dict[str, torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """Every layer's K and V of the blocks' tokens, as the attention backends split a view."""
+    parts = []
+    for view in views.values():
+        for part in view.transpose(1, 2).split(HEAD, dim=-1):  # (B, N, H, C) each
+            parts.append(part[block_ids].reshape(-1, HEADS, HEAD).cpu())
+    return torch.stack(parts)
+
+
+def paged_worker(endpoint: str, name: str, views: dict[str, torch.Tensor], config: Any) -> Any:
+    """A connector worker half on ``views``, registered (waits for the registration)."""
+    settings = ConnectorSettings(endpoint=endpoint, load_timeout_s=30.0, store_wait_s=30.0)
+    side = WorkerSide(settings, engine_id=name, tp_rank=0, tp_size=1, model_hash="m")
+    side.register(*paged_views(views, config, use_mla=False))
+    deadline = time.monotonic() + 30
+    while side._client() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if side._client() is None:
+        raise RuntimeError(f"worker {name} did not register")
+    return side
+
+
+def write_behind_a_kernel(views: dict[str, torch.Tensor], blocks: list[int], seed: int) -> None:
+    """Fill the blocks' cells with random values, behind a 0.5 s kernel on a GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(v[blocks].shape, generator=gen).to(DTYPE) for v in views.values()]
+    on_device = [x.to(next(iter(views.values())).device) for x in values]
+    if next(iter(views.values())).is_cuda:
+        torch.cuda._sleep(int(0.5 * 2e9))
+    for view, x in zip(views.values(), on_device, strict=True):
+        view[blocks] = x
+
+
+def connector(endpoint: str, device: torch.device) -> dict[str, Any]:
+    a, a_config = paged_cache(device, "LBNHC", TOKENS)
+    b, b_config = paged_cache(device, "LBNHC", TOKENS)
+    c, c_config = paged_cache(device, "LBHNC", 2 * TOKENS)
+    sync(device)
+    sa = paged_worker(endpoint, "PA", a, a_config)
+    sb = paged_worker(endpoint, "PB", b, b_config)
+    sc = paged_worker(endpoint, "PC", c, c_config)
+    details: list[str] = []
+    try:
+        client = sa._client()
+        gpu = client._cuda_syncs.get(client.worker) is not None
+        keys = [bytes([i]) * 32 for i in (1, 2)]
+        write_behind_a_kernel(a, [1, 2, 3, 4], seed=1)
+        sa.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [1, 2], "r")]))  # no synchronise
+        sa.fence(["r"])
+        sb.start_loads(StepPlan(1, "fp", loads=[LoadSpec("r", keys, [5, 6])]))
+        errors = sb.take_load_errors()
+        loaded = not errors and torch.equal(kv_tokens(b, [5, 6]), kv_tokens(a, [1, 2]))
+        details.append(f"stored behind the kernel and loaded: {'right' if loaded else 'WRONG'}")
+        with SidecarClient(endpoint, heartbeat=False) as scheduler:
+            scheduler.publish("PA", "req", [1, 2, 3, 4])
+            daemon_id = scheduler.daemon.daemon_id if scheduler.daemon else ""
+        pull = PullSpec("req-c", "PA", "req", "", daemon_id, [1, 2, 3, 4], [0, 1])
+        sc.start_loads(StepPlan(1, "fp", pulls=[pull]))
+        received: set[str] = set()
+        deadline = time.monotonic() + 30
+        while not received and time.monotonic() < deadline:
+            received = sc.finished(idle=True)[1]
+        pulled = received == {"req-c"} and not sc.take_load_errors()
+        pulled = pulled and torch.equal(kv_tokens(c, [0, 1]), kv_tokens(a, [1, 2, 3, 4]))
+        details.append(f"pulled into HND blocks of 32: {'right' if pulled else 'WRONG'}")
+        # Control without events: the store does not wait for the caller's stream.
+        syncs = dict(client._cuda_syncs)
+        client._cuda_syncs.clear()
+        write_behind_a_kernel(a, [7], seed=2)
+        sa.store(StepPlan(2, "fp", stores=[StoreSpec([b"\x03" * 32], [7], "s")]))
+        sa.fence(["s"])
+        client._cuda_syncs.update(syncs)
+        sb.start_loads(StepPlan(2, "fp", loads=[LoadSpec("s", [b"\x03" * 32], [8])]))
+        stale = not torch.equal(kv_tokens(b, [8]), kv_tokens(a, [7]))
+        details.append(f"control without events read {'stale' if stale else 'current'} data")
+        sync(device)
+    finally:
+        for side in (sa, sb, sc):
+            side.close()
+    ok = loaded and pulled and (gpu or device.type == "cpu")
+    return {"ok": ok, "detail": "; ".join(details), "events": gpu}
+
+
+CHECKS = {
+    "roundtrip": roundtrip,
+    "events": events,
+    "vmm": vmm,
+    "refused": refused,
+    "connector": connector,
+}
 
 
 def main() -> None:
