@@ -33,6 +33,7 @@ from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsErro
 from kvsidecar.integrations.vllm.worker import WorkerSide
 from tests.support import ROOT, python_env
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.prometheus import scrape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,7 +139,7 @@ def test_stores_cover_each_full_block_once_and_skip_what_the_engine_had() -> Non
     side = scheduler()
     hashes = [bytes([i]) * 32 for i in range(10)]
     req = Req("r", hashes[:3], num_tokens=13)
-    assert side.lookup(req, num_computed_tokens=4) == (0, False)  # no daemon: a miss
+    assert ask(side, req, 4) == (0, False)  # no daemon: a miss
     side.after_alloc(req, [10, 11, 12, 13], 0)
     plan = side.build([Scheduled("r", 4, 9, None)], [])
     assert [(s.keys, s.block_ids, s.request_id) for s in plan.stores] == [
@@ -178,15 +179,15 @@ def handover(num_tokens: int, block_size: int, **kw: Any) -> dict[str, Any]:
 def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
     side = scheduler(block_size=64)
     side.layout = "vllm_cpu"
-    assert side.lookup(Req("r", [], 100, handover(100, 48)), 0) == (0, False)  # 64 % 48
+    assert ask(side, Req("r", [], 100, handover(100, 48)), 0) == (0, False)  # 64 % 48
     side.layout = "opaque"
-    assert side.lookup(Req("r2", [], 100, handover(100, 32)), 0) == (0, False)  # cannot re-block
+    assert ask(side, Req("r2", [], 100, handover(100, 32)), 0) == (0, False)  # cannot re-block
     # vLLM's vec and amx CPU kernels pack blocks differently: never pulled from one to the other,
     # whatever the block sizes; the same packing on both sides is pulled.
     side.layout = "vllm_cpu_amx"
     for remote_layout, remote_bs in (("vllm_cpu", 64), ("vllm_cpu", 32), ("opaque", 64)):
         mixed = handover(100, remote_bs, remote_layout=remote_layout)
-        assert side.lookup(Req(f"r-{remote_layout}{remote_bs}", [], 100, mixed), 0) == (0, False)
+        assert ask(side, Req(f"r-{remote_layout}{remote_bs}", [], 100, mixed), 0) == (0, False)
     assert side.counters["ignored:inconsistent"] == 5
     # Blocks of the same packing pass the layout checks, amx (re-blocked or not) and vec alike
     # (lookup itself needs a daemon to pull from).
@@ -203,6 +204,20 @@ def test_pulls_that_the_daemon_could_not_re_block_are_refused() -> None:
         assert "'kv_cells'" in (side._pull_problem(64, other) or ""), other
     side.layout = "blocks_first"
     assert side._pull_problem(32, "kv_first") is None
+
+
+def ask(side: SchedulerSide, req: Req, computed: int = 0, within_s: float = 5.0) -> Any:
+    """Ask as vLLM's scheduler does, again while the answer is None (the daemon is asked in the
+    background); no one call may wait on the daemon."""
+    deadline = time.monotonic() + within_s
+    while True:
+        started = time.monotonic()
+        answer = side.lookup(req, computed)
+        assert time.monotonic() - started < 0.05, "a lookup waited on the daemon"
+        if answer[0] is not None:
+            return answer
+        assert time.monotonic() < deadline, "no answer"
+        time.sleep(0.001)
 
 
 # ------------------------------------------------------------------ the worker half, a real daemon
@@ -245,6 +260,51 @@ def test_a_stored_block_loads_into_another_worker_and_missing_ones_are_load_erro
     finally:
         a.close()
         b.close()
+
+
+def test_a_lookup_is_one_round_trip_with_its_pin_and_a_waiting_request_costs_none_more(
+    daemon: DaemonProcess,
+) -> None:
+    """The lookup pins its hits (no second call when vLLM admits the request), and a request
+    that vLLM cannot admit yet is answered again and again from the reply it has."""
+    a, a_caches = worker(daemon, "a")
+    b, b_caches = worker(daemon, "b")
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint)
+    side = scheduler(settings)
+    side.start()
+    keys = [bytes([i + 1]) * 32 for i in range(3)]
+    try:
+        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [3, 4, 5], "r")]))
+        a.fence(["r"])
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert c.daemon is not None
+            port = c.daemon.metrics_port
+
+        def calls() -> float:
+            metrics = scrape(port)
+            return sum(metrics.get((f"kvsidecar_cache_{n}_total", ()), 0.0) for n in NAMES)
+
+        before = calls()
+        req = Req("w", keys, num_tokens=13)  # blocks of 4: 3 full blocks before the last token
+        assert ask(side, req) == (12, False)
+        for _ in range(50):  # vLLM has no free blocks for it yet: asked every step
+            assert side.lookup(req, 0) == (12, False)
+        side.after_alloc(req, [7, 8, 9, 10], 12)
+        plan = side.build([], [])
+        assert calls() - before == 1  # one lookup, which pinned
+        (load,) = plan.loads
+        assert load.pin_id and load.block_ids == [7, 8, 9]
+        b.start_loads(plan)
+        assert b.take_load_errors() == set()
+        for name in a_caches:
+            assert torch.equal(b_caches[name][[7, 8, 9]], a_caches[name][[3, 4, 5]])
+    finally:
+        side.close()
+        a.close()
+        b.close()
+
+
+NAMES = ("lookups", "pins")
 
 
 def test_the_fence_waits_only_for_stores_of_freed_blocks(daemon: DaemonProcess) -> None:
@@ -374,7 +434,7 @@ def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert side.lookup(lookup, 0) == (0, False)  # timed out: a miss
+            assert ask(side, lookup, 0) == (0, False)  # timed out: a miss
             assert 0.25 < time.monotonic() - started < 1.0
             started = time.monotonic()
             assert finish("meanwhile") == (False, None)  # away: not even tried
@@ -384,7 +444,7 @@ def test_a_scheduler_whose_daemon_answers_late_serves_without_it_for_retry_s(
         time.sleep(settings.retry_s)
         held, params = finish("after")
         assert held and params is not None
-        assert side.lookup(lookup, 0) == (0, False)  # answered now: nothing is stored under them
+        assert ask(side, lookup, 0) == (0, False)  # answered now: nothing is stored under them
         assert side.conn.get() is not None  # and the daemon is not away after it
         # A decode engine pulls both: "after" is read, "meanwhile" was never published.
         digest = prompt_digest(list(range(8)))  # what the consumer's scheduler computes
@@ -450,7 +510,7 @@ def test_hostile_params_are_ignored_before_vllm_is_told_to_wait(
     side.layout = "vllm_cpu"
     try:
         req = Req("hostile", [bytes([i]) * 32 for i in range(9)], 40, params)
-        assert side.lookup(req, 0) == (0, False), what
+        assert ask(side, req, 0) == (0, False), what
         assert side.counters == {f"ignored:{reason}": 1}, (what, side.counters)
         side.after_alloc(req, list(range(10)), 0)
         plan = side.build([Scheduled("hostile", 0, 40, None)], [])
@@ -475,7 +535,7 @@ def test_a_valid_hand_over_waits_for_its_pull_and_names_the_prompt(daemon: Daemo
         ):
             req = Req(rid, [], 40, params, prompt=list(range(100, 140)))
             assert side.may_load_async(req)
-            assert side.lookup(req, 0) == (40, True), rid
+            assert ask(side, req, 0) == (40, True), rid
             side.after_alloc(req, list(range(10)), 40)
             assert params["do_remote_prefill"] is False  # pulled once, never again
         plan = side.build([], [])
@@ -501,7 +561,7 @@ def test_an_engine_without_disaggregated_prefill_ignores_every_hand_over(
     try:
         pull = Req("d", [], 40, handover(40, 4, remote_daemon_id=_daemon_id(daemon)))
         assert not side.may_load_async(pull)
-        assert side.lookup(pull, 0) == (0, False)
+        assert ask(side, pull, 0) == (0, False)
         prefill = Req("p", [], 8, {"do_remote_decode": True})
         assert side.request_finished(prefill, [1, 2], num_computed_tokens=8, capped=True) == (
             False,
@@ -622,7 +682,7 @@ def test_a_failed_hook_turns_planned_loads_into_load_errors_and_pulls_into_failu
         side.fail_alloc(req, [10, 11, 12, 13, 14, 15], 8)  # two blocks were to be loaded
         pull = Req("async", [], 40, handover(40, 4, remote_daemon_id=_daemon_id(daemon)))
         side.layout = "vllm_cpu"
-        assert side.lookup(pull, 0) == (40, True)
+        assert ask(side, pull, 0) == (40, True)
         side.fail_alloc(pull, list(range(20, 30)), 40)
         plan = side.build([], [])
         assert [s.block_ids for s in plan.failed_loads] == [[10, 11]]

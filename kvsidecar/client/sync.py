@@ -353,6 +353,18 @@ class SidecarClient(_BlockingTransport):
         """
         return self._run(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
 
+    def submit_cache_lookup(
+        self,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        *,
+        tp_size: int = 1,
+        pin_s: float = 0.0,
+        timeout: float | None = None,
+    ) -> Pending[CacheHits]:
+        """Start a `cache_lookup` and return at once."""
+        return self._submit(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+
     def submit_cache_store(
         self,
         fingerprint: str,
@@ -445,6 +457,33 @@ class SidecarClient(_BlockingTransport):
     ) -> list[PeerCompletion]:
         """Take the completion events credited to a worker (default: this client's; subscribes)."""
         return self._run(self._take_worker_events(worker, timeout))
+
+    def submit_take_worker_events(
+        self, worker: WorkerRef | None = None, *, timeout: float | None = None
+    ) -> Pending[list[PeerCompletion]]:
+        """Start a `take_worker_events` and return at once."""
+        return self._submit(self._take_worker_events(worker, timeout))
+
+    def submit_publish(
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Ids,
+        *,
+        lease_s: float = 0.0,
+        timeout: float | None = None,
+        prompt_digest: str = "",
+    ) -> Pending[None]:
+        """Start a `publish` and return at once."""
+        call = self._publish(
+            engine_id,
+            request_id,
+            block_ids,
+            lease_s=lease_s,
+            timeout=timeout,
+            prompt_digest=prompt_digest,
+        )
+        return self._submit(call)
 
     # --- end prefix cache ---
 

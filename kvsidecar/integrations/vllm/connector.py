@@ -136,7 +136,7 @@ def _cpu_kernels() -> CpuKernels | None:
 # ----------------------------------------------------------------- fail-closed answers
 
 
-def _miss(connector: KVSidecarConnector, request: Any, *args: Any) -> tuple[int, bool]:
+def _miss(connector: KVSidecarConnector, request: Any, *args: Any) -> tuple[int | None, bool]:
     return 0, False
 
 
@@ -405,8 +405,8 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @_guarded(_miss)
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens beyond the engine's own prefix hit that the daemon can provide."""
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond the engine's own prefix hit that the daemon can provide (None: later)."""
         assert self._scheduler is not None
         return self._scheduler.lookup(request, num_computed_tokens)
 

@@ -69,3 +69,6 @@ class StepPlan:
     reports their blocks as load errors, without asking the daemon."""
     failed_pulls: list[PullSpec] = dataclasses.field(default_factory=list)
     """Pulls likewise: reported as received with every local block invalid."""
+    unsent: list[str] = dataclasses.field(default_factory=list)
+    """Requests sent earlier whose publish the daemon refused: nobody can read them, so every
+    worker reports them finished sending (vLLM frees their blocks)."""

@@ -7,7 +7,7 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
 - **Prefix cache** (role ``kv_both``): `SchedulerSide.lookup` counts the leading blocks beyond
   the engine's own prefix-cache hit that every rank holds in the daemon: a *sync* load, so the
   hit stops one token short of the prompt (the scheduler must compute at least one token).
-  Lookups change nothing; `SchedulerSide.after_alloc` pins what it will load. Every full block a
+  The lookup pins its hits for the load that `SchedulerSide.after_alloc` plans. Every full block a
   step computes is stored after that step (`StepPlan.stores`); blocks the engine already had are
   not stored again.
 - **Nothing computed over a failed load is stored**: the workers report each load's outcome per
@@ -22,8 +22,10 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
   whole prompt *asynchronously*: its workers pull the blocks through their daemon, which reads
   them only if they were published for a prompt with the same digest.
 
-The daemon may be absent or die at any time: a lookup that fails is a miss (and the daemon is
-left alone for ``retry_s``), a publish that fails frees the blocks at once (the consumer then
+No hook waits on the daemon (`kvsidecar.integrations.vllm.background`): lookups are answered
+from replies that came in the background, publishes are sent without waiting. The daemon may be
+absent or die at any time: a lookup that fails is a miss (and the daemon is left alone for
+``retry_s``), a publish that cannot be sent or is refused frees the blocks (the consumer then
 computes the prompt itself). When a hook fails on a bug, `fail_alloc`, `fail_build` and
 `fail_finished` give vLLM the closed answer: planned loads become load errors, planned pulls
 failed transfers, published blocks stay held until their lease ends.
@@ -38,7 +40,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from kvsidecar.client import SidecarError
+from kvsidecar.integrations.vllm.background import Lookups, Publishes
 from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.params import (
     Ignored,
@@ -146,6 +148,7 @@ class SchedulerSide:
         self.conn = DaemonConnection(
             settings, "scheduler", heartbeat=False, timeout_s=settings.lookup_timeout_s
         )
+        self.lookups = Lookups(self.conn, settings, tp_size)
         self.counters: collections.Counter[str] = collections.Counter()
         """Running totals: ``ignored:<reason>`` for every request whose params were ignored."""
         self._tracked: dict[str, _Tracked] = {}
@@ -158,6 +161,7 @@ class SchedulerSide:
         self._warned: set[IgnoredReason] = set()
         self._ignored: set[str] = set()
         """Requests counted as ignored and not finished yet."""
+        self.publishes = Publishes(self.conn, settings, engine_id)
 
     def start(self) -> None:
         """Begin connecting to the daemon (in the background when it does not answer at once)."""
@@ -179,6 +183,7 @@ class SchedulerSide:
         self._tracked.clear()
         self._pending.clear()
         self._awaiting.clear()
+        self.lookups.clear()
         log.info("kvsidecar: cache reset: namespace %s from now on", self.fingerprint)
 
     # ------------------------------------------------------------------ admission
@@ -190,8 +195,8 @@ class SchedulerSide:
             return False
         return params.get("do_remote_prefill") is True
 
-    def lookup(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
-        """Answer ``get_num_new_matched_tokens``: tokens to load, and whether asynchronously."""
+    def lookup(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Answer ``get_num_new_matched_tokens``: tokens to load (None: later), and if async."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             try:
@@ -206,14 +211,9 @@ class SchedulerSide:
         self._pending[request.request_id] = _Pending(local)
         # Sync loads must leave the last prompt token to compute (vLLM asserts it).
         keys = list(request.block_hashes[local : (request.num_tokens - 1) // bs])
-        client = self.conn.get() if keys else None
-        if client is None:
-            return 0, False
-        try:
-            hits = client.cache_lookup(self.fingerprint, keys, tp_size=self.tp_size).hits
-        except SidecarError as exc:
-            self.conn.away(f"lookup: {exc}")
-            return 0, False
+        hits = self.lookups.answer(request.request_id, self.fingerprint, keys) if keys else 0
+        if hits is None:
+            return None, False  # asked in the background: vLLM asks again
         self._pending[request.request_id] = _Pending(local, hits=hits)
         return hits * bs, False
 
@@ -280,6 +280,8 @@ class SchedulerSide:
         """Answer ``update_state_after_alloc``: queue the loads or the pull, start tracking."""
         rid = request.request_id
         self._ignored.discard(rid)
+        if num_external_tokens == 0:
+            self.lookups.forget(rid)  # admitted without a load: its pin ends with pin_s
         # Taken only once the load or pull is queued: `fail_alloc` needs it if this raises.
         pending = self._pending.get(rid)
         blocks = list(block_ids)
@@ -300,16 +302,7 @@ class SchedulerSide:
 
     def _queue_load(self, request: RequestView, blocks: list[int], local: int, count: int) -> None:
         keys = list(request.block_hashes[local : local + count])
-        pin_id = 0
-        client = self.conn.get()
-        if client is not None:
-            try:
-                pin = client.cache_lookup(
-                    self.fingerprint, keys, tp_size=self.tp_size, pin_s=self.settings.pin_s
-                )
-                pin_id = pin.pin_id
-            except SidecarError as exc:
-                self.conn.away(f"pin: {exc}")  # the load will fail and be recomputed
+        pin_id = self.lookups.take_pin(request.request_id)  # pinned by the lookup
         self._awaiting[request.request_id] = set(range(self.tp_size))
         self._next.loads.append(
             LoadSpec(request.request_id, keys, blocks[local : local + count], pin_id)
@@ -373,6 +366,7 @@ class SchedulerSide:
         )
         self._building = plan
         plan.idle = not any(s.num_scheduled_tokens for s in scheduled)
+        plan.unsent = self.publishes.refused()
         plan.freed = [*preempted, *finished]
         for rid in preempted:  # their blocks are gone; re-admission starts over
             self._tracked.pop(rid, None)
@@ -453,6 +447,7 @@ class SchedulerSide:
         self._pending.pop(rid, None)
         self._awaiting.pop(rid, None)
         self._ignored.discard(rid)
+        self.lookups.forget(rid)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
@@ -485,12 +480,7 @@ class SchedulerSide:
             "remote_endpoint": client.daemon.peer_endpoint,
             "remote_daemon_id": client.daemon.daemon_id,
         }
-        try:
-            client.publish(
-                self.engine_id, rid, blocks, lease_s=self.settings.lease_s, prompt_digest=digest
-            )
-        except SidecarError as exc:
-            self.conn.away(f"publish: {exc}")
+        if not self.publishes.send(client, rid, blocks, digest):
             return False, None
         self._next.sends.append(rid)
         return True, transfer

@@ -18,7 +18,8 @@ longer than the copies it needs:
   for requests whose load failed on this rank (their later blocks were computed over blocks
   nobody wrote: never stored until vLLM frees them);
 - **completions** (``get_finished``): pulls that ended, and published requests that their
-  consumer read (the daemon's events for this worker, ``take_worker_events``). An event that
+  consumer read (the daemon's events for this worker, ``take_worker_events``, asked at one call
+  and read at a later one: never waited for). An event that
   names a request this worker has not been told of yet (its plan comes a step later under
   async scheduling) is kept until it is, for a while.
 
@@ -44,6 +45,7 @@ from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.wire.cache import CacheLoaded, CacheStored
 from kvsidecar.wire.pulls import Pulled
+from kvsidecar.wire.reports import PeerCompletion
 
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
@@ -103,6 +105,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         """Pulls that failed, reported with their ``finished_recving``."""
+        self._events: Pending[list[PeerCompletion]] | None = None
+        """The completion events asked for and not read yet (`_take_events`)."""
         self._announced = False
         self.counters: collections.Counter[str] = collections.Counter()
         """Running totals of blocks (``loaded_blocks``, ``load_errors``, ``stored_blocks``,
@@ -305,6 +309,9 @@ class WorkerSide:
             self._sending.update(plan.sends)
             if self._early:
                 self._match_early()
+        if plan.unsent:  # refused by the daemon: nobody reads them
+            self._sending.difference_update(plan.unsent)
+            self._released.update(plan.unsent)
         if not plan.stores:
             return  # most decode steps
         specs = [s for s in plan.stores if s.request_id not in self._tainted]
@@ -416,20 +423,41 @@ class WorkerSide:
             client = self._client()
             if client is None:
                 self._release_sends()  # the daemon is away: nobody will read them
+                self._events = None
             else:
-                try:
-                    events = client.take_worker_events()
-                except SidecarError as exc:
-                    log.warning("kvsidecar: events not read (%s): releasing published blocks", exc)
-                    self._release_sends()
-                else:
-                    now = time.monotonic()
-                    for e in events:
-                        for rid in e.finished_sending:
-                            self._early[rid] = now
-                    self._match_early()
+                self._take_events(client)
         released, self._released = self._released, set()
         return released
+
+    def _take_events(self, client: SidecarClient) -> None:
+        """Read the events taken at an earlier call, if they came; ask for the next ones.
+
+        Never waited for: what a step's call sends, a later step's reads.
+        """
+        pending = self._events
+        if pending is None:
+            try:
+                self._events = client.submit_take_worker_events(timeout=self.settings.timeout_s)
+            except SidecarError as exc:
+                log.warning("kvsidecar: events not asked (%s): releasing published blocks", exc)
+                self._release_sends()
+            return
+        if not pending.done():
+            return
+        self._events = None
+        try:
+            events = pending.result()
+        except SidecarError as exc:
+            log.warning("kvsidecar: events not read (%s): releasing published blocks", exc)
+            self._release_sends()
+            return
+        now = time.monotonic()
+        for e in events:
+            for rid in e.finished_sending:
+                self._early[rid] = now
+        self._match_early()
+        if self._sending:
+            self._take_events(client)
 
     def _match_early(self) -> None:
         """Match completion events to known sends; keep the others a while, within a bound."""
