@@ -417,10 +417,10 @@ def test_namespaces_in_use_share_the_cache_with_a_new_one() -> None:
             b.close()
 
 
-def test_pins_are_counted_apart_from_lookups(
+def test_a_lookup_that_pins_counts_as_a_lookup_and_a_pin(
     daemon: DaemonProcess, engines: tuple[Engine, Engine]
 ) -> None:
-    """A scheduler looks a request up, then pins what it loads: one lookup, one pin."""
+    """A plain lookup counts as a lookup; one that pins its hits (the connector's) as both."""
     a, _ = engines
     fp = "model-pins"
     a.client.submit_cache_store(fp, [key(1), key(2)], [1, 2], capacity_bytes=ROOM).result()
@@ -447,8 +447,8 @@ def test_pins_are_counted_apart_from_lookups(
         )
     }
     assert {k: after[k] - before[k] for k in after} == {
-        "kvsidecar_cache_lookups_total": 1,
-        "kvsidecar_cache_lookup_blocks_total": 2,
+        "kvsidecar_cache_lookups_total": 2,
+        "kvsidecar_cache_lookup_blocks_total": 4,
         "kvsidecar_cache_pins_total": 1,
         "kvsidecar_cache_pinned_blocks_total": 2,
     }

@@ -151,13 +151,10 @@ class CacheCommands(Commands):
         spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size)
         hits = 0 if spaces is None else min(ns.index.lookup(keys) for ns in spaces)
         pin_id = 0
-        if req.pin_s <= 0:
-            cache.metrics.lookup(hits, len(keys) - hits)
-            for ns in spaces or ():
-                ns.hit_blocks += hits
-        elif spaces is not None and hits:
-            # A pin repeats the lookup that admitted the request: counted apart, so that the
-            # lookups' hit ratio counts each request once.
+        cache.metrics.lookup(hits, len(keys) - hits)
+        for ns in spaces or ():
+            ns.hit_blocks += hits
+        if req.pin_s > 0 and spaces is not None and hits:
             pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s)
             cache.metrics.pin(hits)
         return CacheHits(id=req.id, hits=hits, pin_id=pin_id)

@@ -62,10 +62,10 @@ class CacheMetrics:
             return Counter(name, doc, labels, namespace=NAMESPACE, registry=registry)
 
         self.lookups = counter(
-            "cache_lookups", "Prefix-cache lookups answered (pins not included)."
+            "cache_lookups", "Prefix-cache lookups answered (those that pinned their hits too)."
         )
         self.pins = counter(
-            "cache_pins", "Lookups that pinned their hits for a load (not counted as lookups)."
+            "cache_pins", "Lookups that pinned their hits for a load (counted as lookups too)."
         )
         self.pinned = counter("cache_pinned_blocks", "Blocks pinned for loads, all pins.")
         self.lookup_blocks = counter(
@@ -105,7 +105,7 @@ class CacheMetrics:
         self.lookup_blocks.labels("miss").inc(misses)
 
     def pin(self, blocks: int) -> None:
-        """Count one pin and its blocks (a lookup with ``pin_s``, which repeats a lookup)."""
+        """Count one pin and its blocks (a lookup with ``pin_s`` that hit)."""
         self.pins.inc()
         self.pinned.inc(blocks)
 
