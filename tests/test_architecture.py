@@ -146,13 +146,18 @@ def test_nothing_imports_the_integrations() -> None:
     assert not broken, "\n".join(sorted(broken))
 
 
-VLLM_FACING = {"kvsidecar.integrations.vllm.connector", "kvsidecar.integrations.vllm.metrics"}
-"""The modules that import vLLM: the connector and its metrics, which only the connector uses."""
+VLLM_FACING = {
+    "kvsidecar.integrations.vllm.connector",
+    "kvsidecar.integrations.vllm.metrics",
+    "kvsidecar.integrations.vllm.carried",
+}
+"""The modules that import vLLM: the connector, and its metrics and metadata types, which only
+the connector uses."""
 
 
 def test_only_the_vllm_connector_imports_vllm() -> None:
     """vLLM lives in its own venv: the package imports without it. Only the connector (which
-    ``kvsidecar.integrations.vllm`` loads lazily) and the metrics only it imports use vLLM."""
+    ``kvsidecar.integrations.vllm`` loads lazily) and the modules only it imports use vLLM."""
     users = {m for m, (imports, _) in GRAPH.items() if imports & VLLM_FACING} - VLLM_FACING
     assert users <= {"kvsidecar.integrations.vllm"}, users
     importers = set()

@@ -27,8 +27,8 @@ from kvsidecar.client import SidecarClient
 from kvsidecar.integrations.vllm.keys import CacheFacts, shareable_hashes
 from kvsidecar.integrations.vllm.layout import detect_layout
 from kvsidecar.integrations.vllm.params import prompt_digest
-from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
-from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
+from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, Scheduled, StepPlan, StoreSpec
+from kvsidecar.integrations.vllm.scheduler import SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
 from kvsidecar.integrations.vllm.worker import WorkerSide
 from tests.support import ROOT, python_env
@@ -150,12 +150,18 @@ def test_stores_cover_each_full_block_once_and_skip_what_the_engine_had() -> Non
     assert [(s.keys, s.block_ids) for s in plan.stores] == [(hashes[3:4], [13])]
     last = side.build([Scheduled("r", 16, 1, None)], ["p"], ["f"])
     assert last.stores == [] and last.freed == ["p", "f"]
-    assert side.request_finished(
-        req, [10, 11, 12, 13, 14], num_computed_tokens=16, capped=True
-    ) == (
+    # Its stores may still be copying: vLLM holds its blocks until the workers say they ended,
+    # so the next forward does not wait for them (it is not among the freed).
+    finished = side.request_finished(req, [10, 11, 12, 13, 14], num_computed_tokens=16, capped=True)
+    assert finished == (True, None)
+    other = Req("o", hashes[:1], num_tokens=5)  # nothing of it stored: let go at once
+    side.after_alloc(other, [20, 21], 0)
+    assert side.request_finished(other, [20, 21], num_computed_tokens=5, capped=True) == (
         False,
         None,
     )
+    plan = side.build([], [], ["r", "o"])
+    assert plan.held == ["r"] and plan.freed == ["o"]
 
 
 def handover(num_tokens: int, block_size: int, **kw: Any) -> dict[str, Any]:
@@ -280,9 +286,9 @@ def test_a_lookup_is_one_round_trip_with_its_pin_and_a_waiting_request_costs_non
             assert c.daemon is not None
             port = c.daemon.metrics_port
 
-        def calls() -> float:
+        def calls() -> tuple[float, float]:  # every lookup, and those that pinned
             metrics = scrape(port)
-            return sum(metrics.get((f"kvsidecar_cache_{n}_total", ()), 0.0) for n in NAMES)
+            return tuple(metrics.get((f"kvsidecar_cache_{n}_total", ()), 0.0) for n in NAMES)  # type: ignore[return-value]
 
         before = calls()
         req = Req("w", keys, num_tokens=13)  # blocks of 4: 3 full blocks before the last token
@@ -291,7 +297,8 @@ def test_a_lookup_is_one_round_trip_with_its_pin_and_a_waiting_request_costs_non
             assert side.lookup(req, 0) == (12, False)
         side.after_alloc(req, [7, 8, 9, 10], 12)
         plan = side.build([], [])
-        assert calls() - before == 1  # one lookup, which pinned
+        after = calls()
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1)  # one lookup, which pinned
         (load,) = plan.loads
         assert load.pin_id and load.block_ids == [7, 8, 9]
         b.start_loads(plan)
@@ -335,6 +342,40 @@ def test_the_fence_waits_only_for_stores_of_freed_blocks(daemon: DaemonProcess) 
             a.store(StepPlan(3, "fp", stores=[StoreSpec([k1], [2], "finished")]))
             a.fence(["finished"])
             assert c.cache_lookup("fp", [k1]).hits == 1
+    finally:
+        a.close()
+
+
+def test_a_held_request_is_reported_once_its_stores_ended_and_nothing_waits(
+    daemon: DaemonProcess,
+) -> None:
+    """A finished request's blocks stay vLLM's until its stores have copied them (or passed their
+    not_after, after which the daemon throws a copy away): no forward waits for a stopped daemon."""
+    a, _ = worker(daemon, "a", store_wait_s=1.0)
+    try:
+        a.store(StepPlan(1, "fp", stores=[StoreSpec([b"\x21" * 32], [2], "on-time")]))
+        a.store(StepPlan(2, "fp", held=["on-time"]))
+        deadline = time.monotonic() + 5
+        sent: set[str] = set()
+        while not sent and time.monotonic() < deadline:
+            sent = a.finished(idle=False)[0]
+        assert sent == {"on-time"}  # the control: its store ended, it is let go
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # no store can finish now
+        try:
+            a.store(StepPlan(3, "fp", stores=[StoreSpec([b"\x22" * 32], [3], "late")]))
+            a.store(StepPlan(4, "fp", held=["late"]))
+            started = time.monotonic()
+            a.fence([])  # the scheduler names no held request freed: nothing to wait for...
+            assert time.monotonic() - started < 0.05
+            sent = set()
+            while not sent and time.monotonic() - started < 5:
+                before = time.monotonic()
+                sent = a.finished(idle=False)[0]
+                assert time.monotonic() - before < 0.05
+            waited = time.monotonic() - started
+            assert sent == {"late"} and 0.8 < waited < 3  # ...and let go at its not_after
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
     finally:
         a.close()
 

@@ -5,8 +5,9 @@ halves do the work: `kvsidecar.integrations.vllm.scheduler` (in vLLM's engine-co
 lookups, what to load, store, publish and pull each step) and `kvsidecar.integrations.vllm.worker`
 (in each worker process: the engine's KV cache registered with the daemon, the copies submitted
 and their completions). `kvsidecar.integrations.vllm.connector` is the adapter between them and
-vLLM's ``KVConnectorBase_V1``; it is the only module that imports vLLM, and it is imported here
-only when vLLM asks for the class, so the rest can be used (and tested) without vLLM.
+vLLM's ``KVConnectorBase_V1``; it and the modules only it imports (its metrics, the metadata it
+carries) are the only ones that import vLLM, imported here only when vLLM asks for the class, so
+the rest can be used (and tested) without vLLM.
 """
 
 from __future__ import annotations

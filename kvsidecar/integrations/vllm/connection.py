@@ -46,6 +46,7 @@ class DaemonConnection:
         self._warned = False
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reconnecting: threading.Thread | None = None
 
     def start(self) -> None:
         """Connect now if the daemon answers at once, else keep trying in the background."""
@@ -72,12 +73,39 @@ class DaemonConnection:
             reason,
             self.settings.retry_s,
         )
+        if not self._heartbeat:
+            self._reconnect_in_background()
+
+    def _reconnect_in_background(self) -> None:
+        """Make a client without a heartbeat say hello again, off the caller's thread.
+
+        The scheduler's calls are submitted, and a submit never reconnects: after a daemon
+        restart its socket would stay with the daemon that went. Reconnected meanwhile, it is
+        ready once ``retry_s`` has passed.
+        """
+        client = self._client
+        if client is None or (self._reconnecting is not None and self._reconnecting.is_alive()):
+            return
+
+        def reconnect() -> None:
+            while not self._closed.is_set():
+                try:
+                    client.reconnect(timeout=self.settings.connect_timeout_s)
+                    return
+                except SidecarError:
+                    self._closed.wait(self.settings.retry_s)
+
+        self._reconnecting = threading.Thread(
+            target=reconnect, name=f"kvsidecar-reconnect-{self.name}", daemon=True
+        )
+        self._reconnecting.start()
 
     def close(self) -> None:
         """Stop trying, close the client (the daemon releases what it registered)."""
         self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.settings.connect_timeout_s + 1)
+        for thread in (self._thread, self._reconnecting):
+            if thread is not None:
+                thread.join(timeout=self.settings.connect_timeout_s + 1)
         client, self._client = self._client, None
         if client is not None:
             client.close()

@@ -1,6 +1,6 @@
 """`KVSidecarConnector`: vLLM's ``KVConnectorBase_V1`` over the daemon.
 
-With `kvsidecar.integrations.vllm.metrics`, the only modules that import vLLM.
+With `kvsidecar.integrations.vllm.metrics` and `carried`, the only modules that import vLLM.
 
 vLLM builds one instance with the SCHEDULER role in its engine-core process and one with the
 WORKER role in every worker; each delegates to its half
@@ -21,7 +21,6 @@ its objects are ``Any`` here.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -33,14 +32,12 @@ from typing import Any, TypeVar
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
 )
 
 from kvsidecar.integrations.vllm import metrics
+from kvsidecar.integrations.vllm.carried import SidecarHandshake, SidecarMetadata, SidecarWorkerMeta
 from kvsidecar.integrations.vllm.cpu_kernels import CpuKernels, cpu_packing, request_amx
 from kvsidecar.integrations.vllm.engine_config import cache_facts, check_supported
 from kvsidecar.integrations.vllm.keys import shareable_hashes
@@ -50,8 +47,8 @@ from kvsidecar.integrations.vllm.layout import (
     detect_layout,
     paged_views,
 )
-from kvsidecar.integrations.vllm.plan import StepPlan
-from kvsidecar.integrations.vllm.scheduler import Scheduled, SchedulerSide
+from kvsidecar.integrations.vllm.plan import Scheduled, StepPlan
+from kvsidecar.integrations.vllm.scheduler import SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.integrations.vllm.worker import WorkerSide
 
@@ -59,33 +56,6 @@ from kvsidecar.integrations.vllm.worker import WorkerSide
 log = logging.getLogger("vllm.kvsidecar")
 
 T = TypeVar("T")
-
-
-class SidecarMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's `StepPlan`, from the scheduler to every worker (pickled by vLLM)."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
-
-
-class SidecarWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """One step's load outcomes, from every worker to the scheduler: ``(rank, request, ok)``."""
-
-    def __init__(self, outcomes: list[tuple[int, str, bool]]) -> None:
-        self.outcomes = outcomes
-
-    def aggregate(self, other: Any) -> SidecarWorkerMeta:
-        """Join another worker's outcomes of the same step (vLLM's aggregation of workers)."""
-        if isinstance(other, SidecarWorkerMeta):
-            self.outcomes = [*self.outcomes, *other.outcomes]
-        return self
-
-
-@dataclasses.dataclass
-class SidecarHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """What a worker tells the scheduler once: its cache layout (`CacheLayout.name`)."""
-
-    layout: str
 
 
 def _guarded(
@@ -178,6 +148,10 @@ def _no_completions(
 
 def _no_results(connector: KVSidecarConnector, *args: Any) -> Any:
     return KVConnectorTransferResults()
+
+
+def _no_sources(connector: KVSidecarConnector, *args: Any) -> dict[Any, int]:
+    return {}  # vLLM counts them as external_unspecified
 
 
 def _no_errors(connector: KVSidecarConnector) -> set[int]:
@@ -416,6 +390,21 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return self._scheduler is not None and self._scheduler.may_load_async(request)
         except Exception:
             return False
+
+    @_guarded(_no_sources)
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """Return where loaded tokens come from: the daemon's host cache, or a peer (pulled).
+
+        vLLM 0.32+ asks, after ``update_state_after_alloc``, for its hit-source metrics.
+        """
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens <= 0 or self._scheduler is None:
+            return {}
+        pulled = self._scheduler.pulls(request.request_id)
+        return {CacheHitSource.P2P if pulled else CacheHitSource.HOST: num_external_tokens}
 
     @_guarded(_alloc_failed)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

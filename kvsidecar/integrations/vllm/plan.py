@@ -8,6 +8,8 @@ pickled by vLLM into every worker (inside ``KVConnectorMetadata``), carried out 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass
@@ -59,6 +61,9 @@ class StepPlan:
     pulls: list[PullSpec] = dataclasses.field(default_factory=list)
     sends: list[str] = dataclasses.field(default_factory=list)
     """Requests published this step: their blocks are held until ``finished_sending``."""
+    held: list[str] = dataclasses.field(default_factory=list)
+    """Finished requests whose blocks vLLM holds until each worker reports them finished
+    sending, which it does once its stores of them have ended."""
     idle: bool = False
     """No tokens are computed this step (the engine only waits for transfers)."""
     freed: list[str] = dataclasses.field(default_factory=list)
@@ -72,3 +77,40 @@ class StepPlan:
     unsent: list[str] = dataclasses.field(default_factory=list)
     """Requests sent earlier whose publish the daemon refused: nobody can read them, so every
     worker reports them finished sending (vLLM frees their blocks)."""
+
+
+class RequestView(Protocol):
+    """The parts of vLLM's ``Request`` the scheduler half reads."""
+
+    @property
+    def request_id(self) -> str:
+        """Unique within the engine."""
+        ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        """The hashes of the request's full blocks so far (grows as tokens are added)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+        ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` the request came with (disaggregated prefill)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One request scheduled this step, as `SchedulerSide.build` needs it."""
+
+    request_id: str
+    num_computed_tokens: int
+    """Tokens computed before this step."""
+    num_scheduled_tokens: int
+    new_block_ids: list[int] | None
+    """Blocks added this step (all of the request's blocks when ``resumed``)."""
+    resumed: bool = False

