@@ -17,11 +17,18 @@ and a daemon.
   metrics``), on both engines (ABBA order); and the connector's own time per step, from the hook
   timings its processes write (``stats_file``): the per-step hooks of scheduler and worker, summed.
 
+With ``--loads``, two kvsidecar engines instead, on one daemon and namespace: **async** loads
+its hits while vLLM parks the request (``async_loads``, the default: every full block of the
+prompt), **sync** waits for them in the forward (all but the last block's tail, computed). Each
+fresh prompt of each ``--sizes`` length is computed and stored by one of them, then sent to both
+(the order alternates): the TTFT of each hit.
+
 Each figure is the median of ``--repeat`` prompts; the JSON has every sample and the load average.
 
     .venv/bin/python benchmarks/bench_vllm.py [--sizes 1024 2048] [--repeat 5] [--steps 64]
         [--json FILE]
     .venv/bin/python benchmarks/bench_vllm.py --sizes --repeat 8   # decode steps only
+    .venv/bin/python benchmarks/bench_vllm.py --loads --sizes 1024 4096 --repeat 7
 """
 
 from __future__ import annotations
@@ -208,6 +215,60 @@ def measure(base: Engine, side: Engine, args: argparse.Namespace) -> dict[str, A
     return samples
 
 
+def measure_loads(asyn: Engine, sync: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """The TTFT of hits loaded async and sync: each prompt stored once, then hit by both."""
+    samples: dict[str, Any] = {}
+    for engine in (asyn, sync):
+        engine.ask(prompt(64, 999), 2)  # warm-up
+    for n in args.sizes:
+        hits: dict[str, list[float]] = {"async": [], "sync": []}
+        cached: dict[str, list[int]] = {"async": [], "sync": []}
+        for rep in range(args.repeat):
+            order = [("async", asyn), ("sync", sync)]
+            if rep % 2:
+                order.reverse()
+            first = order[0][1].ask(prompt(n, rep), 1)  # the miss, stored
+            time.sleep(0.2)  # the stores of the miss are copied after its last step
+            for name, engine in order:
+                answer = engine.ask(prompt(n, rep), 1)
+                if answer["tokens"] != first["tokens"]:
+                    raise RuntimeError(f"size {n}: the {name} hit's token differs from the miss's")
+                hits[name].append(answer["seconds"])
+                cached[name].append(answer["cached"])
+        samples[f"loads_{n}"] = {"hit": hits, "cached": cached}
+    return samples
+
+
+def report_loads(args: argparse.Namespace, samples: dict[str, Any], load_before: Any) -> None:
+    """Print the async/sync table (and write the JSON)."""
+    from kvsidecar.bench.common import Figure, machine_info, table, write_json
+
+    figures = []
+    for n in args.sizes:
+        t = samples[f"loads_{n}"]
+        figures.append(
+            Figure(
+                f"TTFT, {n}-token prompt in the daemon, async load",
+                "s",
+                t["hit"]["async"],
+                "sync load",
+                t["hit"]["sync"],
+                higher_is_better=False,
+                group="vLLM",
+            )
+        )
+    for line in table(figures):
+        print(line)
+    for n in args.sizes:
+        t = samples[f"loads_{n}"]
+        for name in ("async", "sync"):
+            ms = [round(v * 1e3, 1) for v in t["hit"][name]]
+            print(f"{n} tokens, {name}: {ms} ms; cached tokens {t['cached'][name]}")
+    if args.json:
+        machine = machine_info(loadavg_before=list(load_before), samples=samples)
+        write_json(args.json, machine, figures)
+
+
 STEP_HOOKS = {
     "worker": (
         "handle_preemptions",
@@ -255,6 +316,11 @@ def main() -> int:
         help="more kv_connector_extra_config of the kvsidecar engine, as JSON "
         "(e.g. '{\"prefix_cache\": false}' to see the cost of the connector alone)",
     )
+    parser.add_argument(
+        "--loads",
+        action="store_true",
+        help="TTFT of hits loaded async against sync (two kvsidecar engines, no decode steps)",
+    )
     parser.add_argument("--engine", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -274,6 +340,30 @@ def main() -> int:
     (tmp / "model" / "config.json").write_text(json.dumps(MODEL))
     spec = {"model": str(tmp / "model"), "max_len": max([*args.sizes, 256]) + args.steps + 64}
     load_before = os.getloadavg()
+    if args.loads:
+        with daemon(host_pool_bytes=1 << 30, cache_bytes=768 << 20) as (endpoint, _):
+            engines = [
+                Engine(
+                    {
+                        **spec,
+                        "endpoint": endpoint,
+                        "stats": str(tmp / f"stats-{name}.jsonl"),
+                        "extra": {**extra, "async_loads": name == "async"},
+                    },
+                    tmp / f"engine-{name}.log",
+                )
+                for name in ("async", "sync")
+            ]
+            try:
+                for engine in engines:
+                    engine.ready()
+                samples = measure_loads(*engines, args)
+            finally:
+                for engine in engines:
+                    engine.close()
+        report_loads(args, samples, load_before)
+        print(f"engine logs in {tmp}")
+        return 0
     with daemon(host_pool_bytes=1 << 30, cache_bytes=768 << 20) as (endpoint, _):
         base = Engine(spec, tmp / "engine-base.log")
         side = Engine(

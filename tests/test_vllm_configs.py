@@ -4,8 +4,9 @@
   with vLLM's ``KVTransferConfig`` and the connector's settings parser: a pod started from an
   example gets the connector, not an error at start.
 - The connector started on engine configs made by vLLM's ``EngineArgs``: what cannot work
-  (pipeline or decode context parallelism, non-causal attention, sleep mode, MLA under TP) is
-  refused with the reason;
+  (pipeline or decode context parallelism, non-causal attention, sleep mode, hybrid SSM
+  models) is refused with the reason; a sliding-window model is served with a
+  warning;
   ``kv_load_failure_policy`` other than ``recompute`` is warned about; the namespace's
   fingerprint changes with what changes a block's bytes and with nothing else.
 - The connector's hooks against ``KVConnectorBase_V1`` of each tested vLLM and of the newest
@@ -117,13 +118,18 @@ def test_what_cannot_work_is_refused_at_start_and_the_namespace_follows_the_byte
         ("decode context parallel", "decode context parallelism (2 ranks) is not supported"),
         ("non-causal", "encoder_only attention, whose prefixes vLLM does not cache"),
         ("sleep mode", "sleep mode (--enable-sleep-mode) is not supported"),
-        ("MLA under TP", "MLA under tensor parallelism (2 ranks) is not supported"),
+        ("hybrid SSM", "is a hybrid model with state-space (Mamba) layers"),
     ):
         assert why in started[case].get("refused", ""), (case, started[case])
     warned = [w for w in started["policy fail"]["warnings"] if "kv_load_failure_policy" in w]
     assert warned and "'fail'" in warned[0], started["policy fail"]
     assert not any("kv_load_failure_policy" in w for w in started["plain"]["warnings"])
-    assert "fingerprint" in started["MLA"], started["MLA"]  # one rank holds it: served
+    # Served, with the cost said: vLLM's hybrid manager is off, the window keeps every token.
+    (said,) = [w for w in started["sliding window"]["warnings"] if "sliding-window" in w]
+    assert "window 64" in said, said
+    assert not any("sliding-window" in w for w in started["plain"]["warnings"])
+    for case in ("MLA", "MLA under TP"):  # the latent is stored once, whatever the TP
+        assert "fingerprint" in started[case], started[case]
     plain = started["plain"]["fingerprint"]
     for case in ("longer context", "another seed", "policy fail"):
         assert started[case]["fingerprint"] == plain, case  # a block's bytes are the same

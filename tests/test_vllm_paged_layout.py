@@ -4,7 +4,8 @@ tests/helpers/vllm_paged.py builds each engine's cache with vLLM's own ``create_
 under each ``KVCacheLayout`` the connector takes (``LBNHC``, ``LBHNC``; MLA's latent too; kernel
 blocks smaller than the scheduler's), registers it through the connector's path on a real
 daemon, and moves a request's blocks by `WorkerSide`'s stores and loads and its pulls between
-engines of other memory orders, block sizes and TP sizes. What the destination's attention
+engines of other memory orders, block sizes and TP sizes; MLA under TP 2 is stored once (rank
+0's namespace) and loaded into both ranks. What the destination's attention
 backend reads (vLLM's own split of its view into K and V) must be, element by element, what the
 source's backend wrote; every other block must stay as it was. The layouts that cannot be held
 are refused at registration, by name.
@@ -109,6 +110,9 @@ def _cases() -> list[dict[str, Any]]:
                 "dst_ids": dst,
             }
         )
+    mla = _engine("LBNHC", "bfloat16", 16, mla=True, head_size=24)
+    ids = {"src_ids": [4, 0, 6], "dst_ids": [2, 7, 5]}
+    cases.append({"name": "mla-tp2-stored-once", "kind": "replicated", "engine": mla, **ids})
     for name, engine, named, _ in REFUSED:
         cases.append({"name": name, "kind": "refuse", "engine": engine, "named": named})
     return cases

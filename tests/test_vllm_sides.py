@@ -292,16 +292,17 @@ def test_a_lookup_is_one_round_trip_with_its_pin_and_a_waiting_request_costs_non
 
         before = calls()
         req = Req("w", keys, num_tokens=13)  # blocks of 4: 3 full blocks before the last token
-        assert ask(side, req) == (12, False)
+        assert ask(side, req) == (12, True)
         for _ in range(50):  # vLLM has no free blocks for it yet: asked every step
-            assert side.lookup(req, 0) == (12, False)
+            assert side.lookup(req, 0) == (12, True)
         side.after_alloc(req, [7, 8, 9, 10], 12)
         plan = side.build([], [])
         after = calls()
         assert (after[0] - before[0], after[1] - before[1]) == (1, 1)  # one lookup, which pinned
         (load,) = plan.loads
-        assert load.pin_id and load.block_ids == [7, 8, 9]
+        assert load.pin_id and load.block_ids == [7, 8, 9] and load.asynchronous
         b.start_loads(plan)
+        assert _received(b) == {"w"}
         assert b.take_load_errors() == set()
         for name in a_caches:
             assert torch.equal(b_caches[name][[7, 8, 9]], a_caches[name][[3, 4, 5]])
@@ -312,6 +313,98 @@ def test_a_lookup_is_one_round_trip_with_its_pin_and_a_waiting_request_costs_non
 
 
 NAMES = ("lookups", "pins")
+
+
+def _received(side: WorkerSide, within_s: float = 10.0) -> set[str]:
+    """The requests ``side`` reports received, as vLLM asks: a call per (idle) step."""
+    deadline = time.monotonic() + within_s
+    while True:
+        _, recving, _ = side.finished(idle=True)
+        if recving or time.monotonic() > deadline:
+            return recving
+
+
+def test_an_async_load_covers_the_whole_aligned_prompt_and_is_reported_once(
+    daemon: DaemonProcess,
+) -> None:
+    """An async load (the default) may end on the prompt's last token: vLLM recomputes that one
+    itself; a sync load stops a token short. Neither is reported twice; a failed one is a load
+    error, received all the same (vLLM would wait for it forever otherwise)."""
+    a, a_caches = worker(daemon, "a")
+    b, b_caches = worker(daemon, "b")
+    keys = [bytes([i + 1]) * 32 for i in range(3)]
+    sides = {
+        flag: scheduler(ConnectorSettings(endpoint=daemon.config.endpoint, async_loads=flag))
+        for flag in (True, False)
+    }
+    for side in sides.values():
+        side.start()
+    try:
+        a.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [3, 4, 5], "r")]))
+        a.fence(["r"])
+        aligned = Req("aligned", keys, num_tokens=12)  # 3 full blocks of 4, nothing beyond
+        assert ask(sides[False], aligned) == (8, False)
+        assert ask(sides[True], aligned) == (12, True)
+        sides[True].after_alloc(aligned, [7, 8, 9], 12)
+        plan = sides[True].build([], [])
+        (load,) = plan.loads
+        assert load.asynchronous and load.block_ids == [7, 8, 9]
+        b.start_loads(plan)  # sent, not waited for
+        assert b.transfers_pending
+        assert _received(b) == {"aligned"}
+        assert b.take_load_errors() == set() and b.take_outcomes() == [(0, "aligned", True)]
+        for name in a_caches:
+            assert torch.equal(b_caches[name][[7, 8, 9]], a_caches[name][[3, 4, 5]])
+        assert b.finished(idle=True) == (set(), set(), set()) and not b.transfers_pending
+        # A missing block (evicted since the lookup; here: never stored) is a load error.
+        gone = LoadSpec("gone", [b"\x7f" * 32, keys[0]], [12, 13], asynchronous=True)
+        b.start_loads(StepPlan(2, "fp", loads=[gone]))
+        assert _received(b) == {"gone"}
+        assert b.take_load_errors() == {12} and b.take_outcomes() == [(0, "gone", False)]
+        # The request's later blocks are not stored by this rank until vLLM frees it.
+        b.store(StepPlan(3, "fp", stores=[StoreSpec([b"\x70" * 32], [14], "gone")]))
+        assert b.counters["not_stored"] == 1
+    finally:
+        for side in sides.values():
+            side.close()
+        a.close()
+        b.close()
+
+
+def test_an_async_load_past_its_deadline_is_received_with_every_block_an_error(
+    daemon: DaemonProcess,
+) -> None:
+    """A stopped daemon: the load is reported (all blocks load errors) once no copy can start,
+    ``load_timeout_s`` and the fence's second later; not before, not never."""
+    b = WorkerSide(
+        ConnectorSettings(endpoint=daemon.config.endpoint, load_timeout_s=0.5),
+        engine_id="b",
+        tp_rank=0,
+        tp_size=1,
+        model_hash="mh",
+    )
+    storage = torch.zeros(16 * 2 * 32 * 64, dtype=torch.bfloat16)
+    caches = {"layer0": storage.view(16, 2, 32, 64)}
+    b.register(caches, detect_layout(caches["layer0"], cpu_packing="vllm_cpu"))
+    try:
+        spec = LoadSpec("late", [b"\x01" * 32], [3], asynchronous=True)
+        deadline = time.monotonic() + 10
+        while b._client() is None:  # registered before the daemon stops
+            assert time.monotonic() < deadline, "the worker never connected"
+            time.sleep(0.01)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            b.start_loads(StepPlan(2, "fp", loads=[spec]))
+            assert time.monotonic() - started < 0.2  # not waited for
+            assert _received(b, within_s=0.3) == set()  # still within its deadline
+            assert _received(b, within_s=5.0) == {"late"}
+            assert 1.4 < time.monotonic() - started < 3.0
+            assert b.take_load_errors() == {3} and b.take_outcomes() == [(0, "late", False)]
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+    finally:
+        b.close()
 
 
 def test_the_fence_waits_only_for_stores_of_freed_blocks(daemon: DaemonProcess) -> None:
@@ -719,7 +812,7 @@ def test_a_failed_hook_turns_planned_loads_into_load_errors_and_pulls_into_failu
     side.start()
     b, _ = worker(daemon, "b")
     try:
-        req = Req("sync", [bytes([i]) * 32 for i in range(6)], 24)
+        req = Req("load", [bytes([i]) * 32 for i in range(6)], 24)
         side.fail_alloc(req, [10, 11, 12, 13, 14, 15], 8)  # two blocks were to be loaded
         pull = Req("async", [], 40, handover(40, 4, remote_daemon_id=_daemon_id(daemon)))
         side.layout = "vllm_cpu"
@@ -729,10 +822,11 @@ def test_a_failed_hook_turns_planned_loads_into_load_errors_and_pulls_into_failu
         assert [s.block_ids for s in plan.failed_loads] == [[10, 11]]
         assert [s.local_ids for s in plan.failed_pulls] == [list(range(20, 30))]
         b.start_loads(plan)
-        assert b.take_load_errors() == {10, 11}
-        assert b.take_outcomes() == [(0, "sync", False)]
-        assert b.finished(idle=True) == (set(), {"async"}, {"async"})
-        assert b.take_load_errors() == set(range(20, 30))
+        # Both are waited for in WAITING_FOR_REMOTE_KVS: both are received, the pull failed.
+        assert b.finished(idle=True) == (set(), {"load", "async"}, {"async"})
+        assert b.take_load_errors() == {10, 11} | set(range(20, 30))
+        assert b.take_outcomes() == [(0, "load", False)]
+        assert b.finished(idle=True) == (set(), set(), set())  # each reported once
         # build_connector_meta raised: what was queued fails, the published request stays held.
         _loading(side, "queued", [bytes([i]) * 32 for i in range(6)])
         side._next.sends.append("published")

@@ -13,7 +13,9 @@ with the same model and layout, and a restarted one, finds what the others compu
 - ``fingerprint`` is the connector's digest of what must match for a block to mean the same
   thing (model, dtype, block size, layout, TP size, hash algorithm);
 - ``tp_rank``: each rank holds its own heads. A lookup counts a block only when every rank
-  ``0 .. tp_size-1`` holds it.
+  ``0 .. tp_size-1`` holds it. MLA's latent (every layer ``mla``) is the same on every rank:
+  all ranks of such an engine share rank 0's namespace, so it is stored once per node and
+  loaded into every rank (a lookup names ``tp_size`` 1).
 
 A namespace is created by its first store, with the layers (names and descriptors, block count
 aside) of the storing worker; every later store and load must have the same layers
@@ -214,13 +216,14 @@ class PrefixCache:
         """Return the worker's namespace (made by a store if missing), checking its layers."""
         if not fingerprint or len(fingerprint) > 256:
             raise SidecarError("invalid_message", "fingerprint must be 1..256 characters")
-        key = (owner, fingerprint, worker.ref.tp_rank)
         layers = {n: _shape_of(lb.descriptor) for n, lb in worker.device.layers.items()}
+        replicated = bool(layers) and all(d.arrangement == "mla" for d in layers.values())
+        key = (owner, fingerprint, 0 if replicated else worker.ref.tp_rank)
         # Before a namespace is made: the one this worker leaves may give it its room.
         self._move(worker.ref, key)
         ns = self.namespaces.get(key)
         if ns is None and create:
-            ns = self._create(key, layers, worker.tp_size, capacity_bytes)
+            ns = self._create(key, layers, 1 if replicated else worker.tp_size, capacity_bytes)
         if ns is None:
             return None
         if ns.layers != layers:

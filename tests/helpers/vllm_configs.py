@@ -81,6 +81,38 @@ MLA_CONFIG = {
 """A tiny DeepSeek-V2 (MLA attention): vLLM builds its engine config from this alone."""
 
 
+JAMBA_CONFIG = {
+    "architectures": ["JambaForCausalLM"],
+    "model_type": "jamba",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "mamba_d_state": 8,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_dt_rank": 8,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+"""A tiny Jamba: one Mamba layer, one attention layer (a hybrid SSM model)."""
+
+
+def _model_dir(parent: Path, name: str, config: dict[str, Any]) -> Path:
+    path = parent / name
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))  # the config is all a start reads
+    return path
+
+
 def start(model: Path) -> dict[str, Any]:
     """Start the scheduler half on engine configs of each case; what each did."""
     from vllm.config import KVTransferConfig
@@ -93,9 +125,10 @@ def start(model: Path) -> dict[str, Any]:
     shutil.copytree(model, non_causal, dirs_exist_ok=True)
     config = json.loads((non_causal / "config.json").read_text())
     (non_causal / "config.json").write_text(json.dumps({**config, "is_causal": False}))
-    mla = model.parent / "mla"
-    mla.mkdir(exist_ok=True)
-    (mla / "config.json").write_text(json.dumps(MLA_CONFIG))  # the config is all a start reads
+    mla = _model_dir(model.parent, "mla", MLA_CONFIG)
+    jamba = _model_dir(model.parent, "jamba", JAMBA_CONFIG)
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    window = _model_dir(model.parent, "window", {**config, **mistral, "sliding_window": 64})
     records = _Records()
     log = logging.getLogger("vllm.kvsidecar")
     base = {"model": str(model), "skip_tokenizer_init": True, "block_size": 32}
@@ -114,6 +147,8 @@ def start(model: Path) -> dict[str, Any]:
         "sleep mode": {"model_config": {"enable_sleep_mode": True}},
         "MLA": {"model": str(mla)},
         "MLA under TP": {"model": str(mla), "tensor_parallel_size": 2},
+        "hybrid SSM": {"model": str(jamba)},
+        "sliding window": {"model": str(window)},
     }
     out: dict[str, Any] = {}
     for name, case in cases.items():

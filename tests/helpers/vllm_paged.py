@@ -182,6 +182,41 @@ def store_and_load(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.
     return want, b.read(dst, tokens), b.untouched(dst)
 
 
+def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
+    """MLA under TP 2: both ranks of ``a`` store the same latent, the daemon keeps it once (rank
+    0's namespace: a lookup of TP 1 hits, rank 1 stores nothing), both ranks of ``b`` load it."""
+    from kvsidecar.client import SidecarClient
+
+    a = [Engine(case["engine"]) for _ in range(2)]
+    b = [Engine(case["engine"]) for _ in range(2)]
+    src, dst = case["src_ids"], case["dst_ids"]
+    tokens = len(src) * a[0].block_size
+    want = [e.write(src, tokens, seed=3) for e in a]  # replicated: the same latent on each rank
+    assert all(np.array_equal(want[0], w) for w in want)
+    fp = f"fp-{case['name']}"
+    keys = [bytes([i + 9]) * 32 for i in range(len(src))]
+    sa = [worker(endpoint, e, f"a-{case['name']}", r, 2) for r, e in enumerate(a)]
+    sb = [worker(endpoint, e, f"b-{case['name']}", r, 2) for r, e in enumerate(b)]
+    try:
+        for side in sa:
+            side.store(StepPlan(1, fp, stores=[StoreSpec(keys, src, "r")]))
+            side.fence(["r"])
+        stored = [side.counters["stored_blocks"] for side in sa]
+        assert stored == [len(src), 0], f"stored per rank {stored}"
+        with SidecarClient(endpoint, heartbeat=False) as client:
+            hits = [client.cache_lookup(fp, keys, tp_size=n).hits for n in (1, 2)]
+        assert hits == [len(src), 0], f"hits with TP 1 and 2: {hits}"  # one namespace
+        for side in sb:
+            side.start_loads(StepPlan(1, fp, loads=[LoadSpec("r", keys, dst)]))
+            errors = side.take_load_errors()
+            assert not errors, f"load errors {errors}"
+    finally:
+        for side in (*sa, *sb):
+            side.close()
+    got = np.concatenate([e.read(dst, tokens) for e in b])
+    return np.concatenate([want[0], want[0]]), got, all(e.untouched(dst) for e in b)
+
+
 def pull(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
     """A producer publishes a request; a consumer of another layout (and TP) pulls it."""
     prod = Engine(case["producer"])
@@ -253,7 +288,7 @@ def main() -> None:
             else:
                 report[name] = {"registered": True}
             continue
-        run = store_and_load if case["kind"] == "store" else pull
+        run = {"store": store_and_load, "pull": pull, "replicated": replicated}[case["kind"]]
         want, got, untouched = run(endpoint, case)
         arrays[f"{name}.want"], arrays[f"{name}.got"] = want, got
         report[name] = {"untouched": untouched}

@@ -204,6 +204,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_size=facts.tp_size,
                 prefix_cache=prefix,
                 disaggregated=disaggregated,
+                replicated=bool(getattr(vllm_config.model_config, "use_mla", False)),
             )
             self._scheduler.start()
             log.info(
@@ -283,7 +284,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.start_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing: loads are complete when `start_load_kv` returns."""
+        """Nothing: sync loads end in `start_load_kv`; async ones are read once reported."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         """Nothing: the daemon reads the blocks from the shared cache after the forward."""

@@ -66,13 +66,26 @@ def _weights_digest(vllm_config: Any, vllm_version: str) -> str:
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:32]
 
 
+def _sliding_window(model: Any) -> int:
+    """Return the model's attention window (0: none), from its config as vLLM read it."""
+    try:
+        window = model.get_sliding_window()
+    except Exception:  # a vLLM without it: the HF config says
+        window = getattr(model.hf_text_config, "sliding_window", None)
+    return int(window or 0)
+
+
 def check_supported(vllm_config: Any) -> None:
     """Refuse at start what the connector cannot do right: `SettingsError` says why.
 
     Pipeline parallelism and decode context parallelism (one rank does not hold a block's
-    every layer, or every token), MLA under TP (a latent replicated on every rank), sleep mode
-    (it remaps the cache the daemon mapped), and a prefix cache for models vLLM does not cache
-    prefixes of (non-causal attention: a block's KV depends on tokens after it).
+    every layer, or every token), sleep mode (it remaps the cache the daemon mapped), hybrid
+    models with SSM layers (their state is no KV block), and a prefix cache for models vLLM
+    does not cache prefixes of (non-causal attention: a block's KV depends on tokens after it).
+    Sliding-window models are served, with a warning: vLLM turns its hybrid KV-cache manager
+    off for this connector, so their sliding-window layers keep every token's KV, as full
+    attention layers do. MLA under TP is served: its latent is stored once (the daemon's
+    `kvsidecar.daemon.cache`).
     """
     parallel = vllm_config.parallel_config
     pp = int(getattr(parallel, "pipeline_parallel_size", 1))
@@ -88,17 +101,27 @@ def check_supported(vllm_config: Any) -> None:
             "each rank holds only some tokens of a block"
         )
     model = vllm_config.model_config
-    tp = int(getattr(parallel, "tensor_parallel_size", 1))
-    if tp > 1 and getattr(model, "use_mla", False):
-        raise SettingsError(
-            f"kvsidecar connector: MLA under tensor parallelism ({tp} ranks) is not supported: "
-            "every rank holds the same latent, which the daemon would store once per rank"
-        )
     if getattr(model, "enable_sleep_mode", False):
         raise SettingsError(
             "kvsidecar connector: sleep mode (--enable-sleep-mode) is not supported: its "
             "CuMemAllocator frees and remaps the KV cache that the daemon has mapped, so the "
             "daemon would read and write memory the engine no longer owns"
+        )
+    if getattr(model, "is_hybrid", False):
+        raise SettingsError(
+            f"kvsidecar connector: {model.model} is a hybrid model with state-space (Mamba) "
+            "layers: their state is not a KV block the daemon can store or load, and vLLM runs "
+            "such models only with its hybrid KV-cache manager, which it turns off for this "
+            "connector; serve it without --kv-transfer-config"
+        )
+    window = _sliding_window(model)
+    if window:
+        log.warning(
+            "kvsidecar: %s has sliding-window attention (window %d): vLLM's hybrid KV-cache "
+            "manager is off with this connector, so those layers keep every token's KV (more "
+            "memory per request, the same outputs) and the daemon stores and loads them whole",
+            model.model,
+            window,
         )
     supported = getattr(model, "is_prefix_caching_supported", True)
     attn_type = str(getattr(model, "attn_type", "decoder"))

@@ -14,13 +14,17 @@ from typing import Any, Protocol
 
 @dataclasses.dataclass
 class LoadSpec:
-    """Blocks of a request that the prefix cache holds: load them before this step's forward."""
+    """Blocks of a request that the prefix cache holds: load them (see ``asynchronous``)."""
 
     request_id: str
     keys: list[bytes]
     block_ids: list[int]
     pin_id: int = 0
     """The scheduler's pin of these blocks (released by the load)."""
+    asynchronous: bool = False
+    """vLLM waits for it in ``WAITING_FOR_REMOTE_KVS``: no forward reads the blocks until every
+    worker reported the request received (``finished_recving``), which each does once its load
+    ended, failed or not."""
 
 
 @dataclasses.dataclass

@@ -5,8 +5,11 @@ blocks it holds, and writes each step's `kvsidecar.integrations.vllm.plan.StepPl
 workers. vLLM's contract (docs/vllm.md has the whole story):
 
 - **Prefix cache** (role ``kv_both``): `SchedulerSide.lookup` counts the leading blocks beyond
-  the engine's own prefix-cache hit that every rank holds in the daemon: a *sync* load, so the
-  hit stops one token short of the prompt (the scheduler must compute at least one token).
+  the engine's own prefix-cache hit that every rank holds in the daemon. By default the load is
+  *asynchronous* (``async_loads``): vLLM parks the request until its workers report it received
+  and computes other requests meanwhile; the hit may cover every full block of the prompt (vLLM
+  recomputes the last token). A *sync* load stops one token short of the prompt (the scheduler
+  must compute at least one token) and the forward waits for it.
   The lookup pins its hits for the load that `SchedulerSide.after_alloc` plans. Every full block a
   step computes is stored after that step (`StepPlan.stores`); blocks the engine already had are
   not stored again.
@@ -104,6 +107,7 @@ class SchedulerSide:
         tp_size: int,
         prefix_cache: bool,
         disaggregated: bool = False,
+        replicated: bool = False,
     ) -> None:
         self.settings = settings
         self.role = role
@@ -120,7 +124,8 @@ class SchedulerSide:
         self.conn = DaemonConnection(
             settings, "scheduler", heartbeat=False, timeout_s=settings.lookup_timeout_s
         )
-        self.lookups = Lookups(self.conn, settings, tp_size)
+        # MLA: every rank holds the same latent, which the daemon keeps once (rank 0's namespace).
+        self.lookups = Lookups(self.conn, settings, 1 if replicated else tp_size)
         self.counters: collections.Counter[str] = collections.Counter()
         """Running totals: ``ignored:<reason>`` for every request whose params were ignored."""
         self._tracked: dict[str, _Tracked] = {}
@@ -181,13 +186,16 @@ class SchedulerSide:
         local = num_computed_tokens // bs
         # What the engine had itself is never stored again, hit or not.
         self._pending[request.request_id] = _Pending(local)
-        # Sync loads must leave the last prompt token to compute (vLLM asserts it).
-        keys = list(request.block_hashes[local : (request.num_tokens - 1) // bs])
+        # A sync load must leave the last prompt token to compute (vLLM asserts it); after an
+        # async one vLLM recomputes that token itself, so it may cover every full block.
+        asynchronous = self.settings.async_loads
+        end = request.num_tokens if asynchronous else request.num_tokens - 1
+        keys = list(request.block_hashes[local : end // bs])
         hits = self.lookups.answer(request.request_id, self.fingerprint, keys) if keys else 0
         if hits is None:
             return None, False  # asked in the background: vLLM asks again
         self._pending[request.request_id] = _Pending(local, hits=hits)
-        return hits * bs, False
+        return hits * bs, asynchronous and hits > 0
 
     def ignore(self, request_id: str, why: Ignored) -> None:
         """Count a request whose params are ignored; warn (once per reason at warning level).
@@ -277,7 +285,13 @@ class SchedulerSide:
         pin_id = self.lookups.take_pin(request.request_id)  # pinned by the lookup
         self._awaiting[request.request_id] = set(range(self.tp_size))
         self._next.loads.append(
-            LoadSpec(request.request_id, keys, blocks[local : local + count], pin_id)
+            LoadSpec(
+                request.request_id,
+                keys,
+                blocks[local : local + count],
+                pin_id,
+                asynchronous=self.settings.async_loads,
+            )
         )
 
     def _queue_pull(self, request: Any, blocks: list[int], local: int, pull: RemotePrefill) -> None:
@@ -324,7 +338,9 @@ class SchedulerSide:
         if pending is not None and pending.pull is not None:
             self._next.failed_pulls.append(PullSpec(rid, "", "", "", "", [], blocks))
         else:
-            self._next.failed_loads.append(LoadSpec(rid, [], blocks))
+            # vLLM waits for an async one (the lookup said so): it must be reported received.
+            failed = LoadSpec(rid, [], blocks, asynchronous=self.settings.async_loads)
+            self._next.failed_loads.append(failed)
 
     # ------------------------------------------------------------------ steps
 

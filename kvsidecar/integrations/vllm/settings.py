@@ -49,7 +49,11 @@ class ConnectorSettings:
     store_wait_s: float = 5.0
     """How long a worker keeps a block unwritten for its store to copy it (``not_after``)."""
     load_timeout_s: float = 10.0
-    """Bound on a load the forward pass waits for; past it the blocks are load errors."""
+    """Bound on a load; past it the blocks are load errors."""
+    async_loads: bool = True
+    """Load prefix-cache hits while the engine computes other requests (the request waits in
+    vLLM's ``WAITING_FOR_REMOTE_KVS``), the whole block-aligned prompt included; false: the
+    forward waits for the load, which stops one token short of the prompt."""
     pin_s: float = 10.0
     """How long a lookup's pin holds cached blocks for the load that follows."""
     lease_s: float = 0.0

@@ -13,12 +13,15 @@ longer than the copies it needs:
   by its ``not_after`` is abandoned: the daemon throws a later copy away, so a block that changed
   under it is never published. Loads that timed out are fenced the same way: a freed block must
   not be written by a late copy into it;
-- **loads** (``start_load_kv``): the prefix cache's blocks, submitted and waited for (this
-  step's forward reads them); pulls of a disaggregated prefill, submitted and left running;
+- **loads** (``start_load_kv``): the prefix cache's blocks, submitted and left running when
+  vLLM waits for them (async loads, the default) or waited for (sync: this step's forward reads
+  them), `kvsidecar.integrations.vllm.loads`; pulls of a disaggregated prefill, submitted and
+  left running;
 - **stores** (``wait_for_save``): this step's full blocks, submitted without waiting, except
   for requests whose load failed on this rank (their later blocks were computed over blocks
   nobody wrote: never stored until vLLM frees them);
-- **completions** (``get_finished``): pulls that ended, and published requests that their
+- **completions** (``get_finished``): async loads and pulls that ended, and published requests
+  that their
   consumer read (the daemon's events for this worker, ``take_worker_events``, asked at one call
   and read at a later one: never waited for), and held requests whose stores ended. An event
   that names a request this worker has not been told of yet (its plan comes a step later under
@@ -42,9 +45,10 @@ import torch
 from kvsidecar.client import Pending, SidecarClient, SidecarError
 from kvsidecar.integrations.vllm.connection import DaemonConnection
 from kvsidecar.integrations.vllm.layout import CacheLayout, share_storages
-from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan
+from kvsidecar.integrations.vllm.loads import WorkerLoads
+from kvsidecar.integrations.vllm.plan import PullSpec, StepPlan
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
-from kvsidecar.wire.cache import CacheLoaded, CacheStored
+from kvsidecar.wire.cache import CacheStored
 from kvsidecar.wire.pulls import Pulled
 from kvsidecar.wire.reports import PeerCompletion
 
@@ -58,12 +62,6 @@ EARLY_EVENTS = 4096
 """Completion events for requests not known yet, kept at most (the oldest go first)."""
 EARLY_EVENT_S = 600.0
 """How long such an event waits for its request; past it, it is dropped and counted."""
-OUTCOMES_KEPT = 4096
-"""Load outcomes kept for the scheduler between two takes (one step's, in practice)."""
-LOAD_FENCE_S = 1.0
-"""How long past its ``load_timeout_s`` the reply of a load is still awaited: the fence waits for
-it (the copy may have started) before the blocks it writes are freed. The daemon starts no copy
-after the load's ``not_after``, so a daemon that serves answers within this."""
 
 
 class WorkerSide:
@@ -92,18 +90,14 @@ class WorkerSide:
         self._reconnects = -1
         self._stores: list[tuple[Pending[CacheStored], set[str]]] = []
         """Stores in flight and the requests whose blocks each one reads."""
-        self._late_loads: list[tuple[Pending[CacheLoaded], str]] = []
-        """Loads that timed out here and may still copy, with their request."""
         self._pulls: list[tuple[list[PullSpec], Pending[Pulled] | None]] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
         """Sends given up on (the daemon went away): reported finished at the next call."""
         self._early: collections.OrderedDict[str, float] = collections.OrderedDict()
         """``finished_sending`` for requests not in ``_sending`` yet, and when each came."""
-        self._tainted: set[str] = set()
-        """Requests whose load failed on this rank: nothing of theirs is stored until freed."""
-        self._outcomes: list[tuple[int, str, bool]] = []
         self._errors: set[int] = set()
+        """Blocks of pulls that were not written (load errors)."""
         self._failed: set[str] = set()
         """Pulls that failed, reported with their ``finished_recving``."""
         self._holding: set[str] = set()
@@ -114,6 +108,7 @@ class WorkerSide:
         self.counters: collections.Counter[str] = collections.Counter()
         """Running totals of blocks (``loaded_blocks``, ``load_errors``, ``stored_blocks``,
         ``not_stored``), ``pulled`` requests and ``events_dropped`` (also in the shutdown log)."""
+        self.loads = WorkerLoads(settings, tp_rank, self.counters)
 
     # ------------------------------------------------------------------ registration
 
@@ -191,10 +186,8 @@ class WorkerSide:
     def fence(self, freed: Collection[str]) -> None:
         """Before a forward: finish the stores and late loads of the ``freed`` requests."""
         gone = set(freed)
-        if self._tainted and gone:
-            self._tainted -= gone  # re-admitted, they load and compute afresh
-        if self._late_loads:
-            self._fence_loads(gone)
+        if gone:
+            self.loads.fence(gone)
         if not self._stores:
             return
         still = []
@@ -212,22 +205,6 @@ class WorkerSide:
             still.append((store, requests))
         self._stores = still
 
-    def _fence_loads(self, gone: set[str]) -> None:
-        still = []
-        for load, rid in self._late_loads:
-            if load.done():
-                continue
-            if rid in gone:
-                if not load.wait(LOAD_FENCE_S):
-                    log.warning(
-                        "kvsidecar: a timed-out load into %s's blocks has not ended; they are "
-                        "freed anyway",
-                        rid,
-                    )
-                continue
-            still.append((load, rid))
-        self._late_loads = still
-
     def _count_store(self, store: Pending[CacheStored]) -> None:
         try:
             self.counters["stored_blocks"] += store.result().stored
@@ -235,76 +212,30 @@ class WorkerSide:
             log.debug("store failed: %s", exc)
 
     def start_loads(self, plan: StepPlan) -> None:
-        """Submit the pulls, then load the prefix cache's blocks and wait for them.
+        """Submit the pulls and the loads; wait for the sync loads.
 
         Should it raise, `fail_loads` reports what it did not settle.
         """
-        for spec in plan.failed_loads:
-            self._settle_load(spec, None)
+        self.loads.fail(plan.failed_loads)
         if plan.failed_pulls:
             self._pulls.append((list(plan.failed_pulls), None))
         if not plan.loads and not plan.pulls:
             return  # most steps: nothing to ask the daemon
         client = self._client()
         self._submit_pulls(client, plan.pulls)
-        loads: list[tuple[LoadSpec, Pending[CacheLoaded] | None]] = []
-        deadline = time.monotonic() + self.settings.load_timeout_s
-        for spec in plan.loads:
-            pending = None
-            if client is not None:
-                try:
-                    pending = client.submit_cache_load(
-                        plan.fingerprint,
-                        spec.keys,
-                        spec.block_ids,
-                        pin_id=spec.pin_id,
-                        timeout=self.settings.load_timeout_s + LOAD_FENCE_S,
-                        not_after=deadline,
-                    )
-                except SidecarError as exc:
-                    log.warning("kvsidecar: load not sent (%s): recomputing", exc)
-            loads.append((spec, pending))
-        for spec, load in loads:
-            self._settle_load(spec, load, deadline)
+        self.loads.start(client, plan.fingerprint, plan.loads)
 
     def fail_loads(self, plan: StepPlan) -> None:
         """Answer closed for a `start_loads` that raised: nothing reported twice.
 
-        Every load of the plan not settled yet is a load error, every pull not submitted a
-        failed one.
+        Every load of the plan not settled yet is a load error (an async one also received),
+        every pull not submitted a failed one.
         """
         submitted = {s.request_id for group, _ in self._pulls for s in group}
         missing = [s for s in (*plan.pulls, *plan.failed_pulls) if s.request_id not in submitted]
         if missing:
             self._pulls.append((missing, None))
-        settled = {rid for _, rid, _ in self._outcomes}
-        for spec in (*plan.loads, *plan.failed_loads):
-            if spec.request_id not in settled:
-                self._settle_load(spec, None)
-
-    def _settle_load(
-        self, spec: LoadSpec, load: Pending[CacheLoaded] | None, deadline: float = 0.0
-    ) -> None:
-        bad = set(spec.block_ids)
-        if load is not None and not load.wait(deadline - time.monotonic()):
-            log.warning(
-                "kvsidecar: load of %d blocks not done in load_timeout_s: recomputing", len(bad)
-            )
-            self._late_loads.append((load, spec.request_id))
-        elif load is not None:
-            try:
-                reply = load.result()
-                bad = set(reply.missing_block_ids)
-                self.counters["loaded_blocks"] += reply.loaded
-            except SidecarError as exc:
-                log.warning("kvsidecar: load of %d blocks failed (%s): recomputing", len(bad), exc)
-        self.counters["load_errors"] += len(bad)
-        self._errors.update(bad)
-        self._outcomes.append((self.tp_rank, spec.request_id, not bad))
-        if len(self._outcomes) > OUTCOMES_KEPT:  # a vLLM that never takes them
-            del self._outcomes[:-OUTCOMES_KEPT]
-        if bad:
-            self._tainted.add(spec.request_id)
+        self.loads.fail([*plan.loads, *plan.failed_loads])
 
     def store(self, plan: StepPlan) -> None:
         """After the forward: submit this step's stores; note the requests it must send."""
@@ -318,9 +249,12 @@ class WorkerSide:
             self._released.update(plan.unsent)
         if not plan.stores:
             return  # most decode steps
-        specs = [s for s in plan.stores if s.request_id not in self._tainted]
+        if self.tp_rank and self.layout is not None and self.layout.arrangement == "mla":
+            return  # every rank holds the same latent: rank 0 stores it for all (one namespace)
+        tainted = self.loads.tainted
+        specs = [s for s in plan.stores if s.request_id not in tainted]
         for spec in plan.stores:
-            if spec.request_id in self._tainted:
+            if spec.request_id in tainted:
                 self.counters["not_stored"] += len(spec.block_ids)
         if not specs:
             return
@@ -350,6 +284,8 @@ class WorkerSide:
         Since the last call; the failed ones are among the received ones.
         """
         recving = self._finished_pulls(idle)
+        if self.loads.running:
+            recving |= self.loads.finished(idle=idle and not recving, wait_s=IDLE_WAIT_S)
         failed, self._failed = self._failed & recving, self._failed - recving
         return self._finished_sends() | self._stored_held(), recving, failed
 
@@ -371,17 +307,23 @@ class WorkerSide:
     @property
     def transfers_pending(self) -> bool:
         """Whether a pull, a send or a release may have something to report (cheap)."""
-        return bool(self._pulls or self._sending or self._released or self._failed or self._holding)
+        return bool(
+            self._pulls
+            or self._sending
+            or self._released
+            or self._failed
+            or self._holding
+            or self.loads.running
+        )
 
     def take_load_errors(self) -> set[int]:
         """Return (and forget) the blocks that failed to load: vLLM recomputes them."""
         errors, self._errors = self._errors, set()
-        return errors
+        return errors | self.loads.take_errors()
 
     def take_outcomes(self) -> list[tuple[int, str, bool]]:
         """Return (and forget) this step's load outcomes: ``(rank, request, loaded whole)``."""
-        outcomes, self._outcomes = self._outcomes, []
-        return outcomes
+        return self.loads.take_outcomes()
 
     # ------------------------------------------------------------------ pulls and sends
 
