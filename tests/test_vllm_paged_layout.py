@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -179,6 +180,18 @@ def test_cells_are_never_exchanged_with_another_arrangement() -> None:
         )
 
     check_compatible(engine("kv_cells"), engine("kv_cells", "HND"))
+    # A packed cache (vLLM's NVFP4: uint8, K's and V's heads in two groups) moves whole blocks
+    # between engines of one TP size, never head slices; an MLA latent has no heads to slice.
+    packed = CompatInfo("m", "uint8", 32, 2, 1, False)
+    latent = CompatInfo("m", "uint8", 32, 1, 1, True)
+    for info, tp, ok in ((packed, 1, True), (packed, 2, False), (latent, 2, True)):
+        local = msgspec.structs.replace(engine("kv_cells"), compat=info, compat_hash="h")
+        remote = msgspec.structs.replace(local, tp_size=tp)
+        if ok:
+            check_compatible(local, remote)
+        else:
+            with pytest.raises(IncompatiblePeer, match="cannot be sliced between ranks"):
+                check_compatible(local, remote)
     for other in ("split", "kv_first", "blocks_first", "vllm_cpu"):
         with pytest.raises(IncompatiblePeer, match=r"arrangement 'kv_cells' here"):
             check_compatible(engine("kv_cells"), engine(other))  # type: ignore[arg-type]

@@ -164,6 +164,17 @@ def check_compatible(local: PeerEngine, remote: PeerEngine) -> None:
             f"arrangement {local.arrangement!r} here vs {remote.arrangement!r} remote: one "
             "holds K and V in each cell of a block, the other does not"
         )
+    if (
+        local.tp_size != remote.tp_size
+        and local.compat.cache_dtype == "uint8"
+        and not local.compat.is_mla
+    ):
+        # vLLM's packed caches (NVFP4 keeps K's heads and V's heads as two groups of the head
+        # axis): index h of that axis is not KV head h, so a rank's heads cannot be cut out.
+        raise IncompatiblePeer(
+            f"TP {local.tp_size} here vs {remote.tp_size} remote with a packed (uint8) KV "
+            "cache: its heads cannot be sliced between ranks"
+        )
     if local.block_size % remote.block_size:
         raise IncompatiblePeer(
             f"local block size {local.block_size} is not a multiple of the remote block size "
