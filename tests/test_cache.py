@@ -270,6 +270,7 @@ cache_requests = st.one_of(
         tp_size=st.integers(1, 64),
         key_size=st.integers(1, 64),
         pin_s=st.floats(0, 100),
+        loads=st.integers(1, 64),
     ),
     st.builds(
         CacheStore,
@@ -318,6 +319,8 @@ def test_bad_cache_requests_get_typed_errors_and_the_daemon_serves_on(
             (CacheLookup(id=1, fingerprint="f"), [b"x" * 33], "bad_frame"),
             (CacheLookup(id=2, fingerprint="f", key_size=0), [b""], "invalid_message"),
             (CacheLookup(id=3, fingerprint="f", tp_size=0), [b"x" * 32], "invalid_message"),
+            (CacheLookup(id=6, fingerprint="f", loads=0), [b"x" * 32], "invalid_message"),
+            (CacheLookup(id=7, fingerprint="f", loads=1025), [b"x" * 32], "invalid_message"),
             (CacheLookup(id=4, fingerprint="f"), [], "bad_frame"),
             (
                 CacheStore(id=5, source=BufferSetRef(WorkerRef("nobody")), fingerprint="f"),

@@ -320,9 +320,11 @@ class AsyncSidecarClient(_AsyncTransport):
         tp_size: int = 1,
         pin_s: float = 0.0,
         timeout: float | None = None,
+        loads: int = 1,
     ) -> CacheHits:
         """Count the leading ``keys`` every rank of ``fingerprint`` holds (`CacheLookup`)."""
-        return await self._run(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        return await self._run(call)
 
     async def cache_store(
         self,

@@ -44,6 +44,8 @@ class _CacheRequests(_Base):
         tp_size: int,
         pin_s: float,
         timeout: float | None,
+        *,
+        loads: int = 1,
     ) -> _Call[CacheHits, CacheHits]:
         size, frame = _key_frame(keys)
         req = CacheLookup(
@@ -52,6 +54,7 @@ class _CacheRequests(_Base):
             tp_size=tp_size,
             key_size=size,
             pin_s=pin_s,
+            loads=loads,
         )
         return _Call(req, CacheHits, _reply, (frame,), timeout)
 

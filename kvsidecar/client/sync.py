@@ -346,12 +346,11 @@ class SidecarClient(_BlockingTransport):
         tp_size: int = 1,
         pin_s: float = 0.0,
         timeout: float | None = None,
+        loads: int = 1,
     ) -> CacheHits:
-        """Count the leading ``keys`` every rank of namespace ``fingerprint`` holds (`CacheLookup`).
-
-        ``pin_s`` > 0 also pins them until loaded with the returned ``pin_id`` (or ``pin_s``).
-        """
-        return self._run(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+        """Count (and with ``pin_s`` > 0 pin) the leading ``keys`` held (`CacheLookup`)."""
+        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        return self._run(call)
 
     def submit_cache_lookup(
         self,
@@ -361,9 +360,11 @@ class SidecarClient(_BlockingTransport):
         tp_size: int = 1,
         pin_s: float = 0.0,
         timeout: float | None = None,
+        loads: int = 1,
     ) -> Pending[CacheHits]:
         """Start a `cache_lookup` and return at once."""
-        return self._submit(self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout))
+        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        return self._submit(call)
 
     def submit_cache_store(
         self,

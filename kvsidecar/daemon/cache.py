@@ -115,6 +115,8 @@ class _Pin:
 
     deadline: float
     parts: dict[NamespaceKey, list[int]]
+    loads: dict[NamespaceKey, int]
+    """Loads that still release a part before it ends (`CacheLookup.loads`)."""
 
 
 def _shape_of(desc: BufferDescriptor) -> BufferDescriptor:
@@ -171,8 +173,8 @@ class PrefixCache:
         for pin_id in [p for p, pin in self.pins.items() if pin.deadline <= now]:
             self.release_pin(pin_id)
 
-    def pin(self, found: list[tuple[Namespace, list[bytes]]], pin_s: float) -> int:
-        """Pin these keys (ready) of each namespace for at most ``pin_s``; return the pin's id."""
+    def pin(self, found: list[tuple[Namespace, list[bytes]]], pin_s: float, loads: int = 1) -> int:
+        """Pin each namespace's keys until ``loads`` loads or ``pin_s`` end it; return its id."""
         parts: dict[NamespaceKey, list[int]] = {}
         for ns, keys in found:
             slots = [s for s in ns.index.slots(keys) if s is not None]
@@ -180,13 +182,16 @@ class PrefixCache:
             parts[ns.key] = slots
         pin_id = next(self._pin_ids)
         lease = min(pin_s, self.config.cache_pin_s)
-        self.pins[pin_id] = _Pin(time.monotonic() + lease, parts)
+        self.pins[pin_id] = _Pin(time.monotonic() + lease, parts, dict.fromkeys(parts, loads))
         return pin_id
 
     def release_pin(self, pin_id: int, only: NamespaceKey | None = None) -> None:
-        """Release a pin (or only its part on namespace ``only``); unknown ids are ignored."""
+        """Release a pin, or one load's hold on its part on ``only`` (unknown ids: nothing)."""
         pin = self.pins.get(pin_id)
         if pin is None:
+            return
+        if only is not None and pin.loads.get(only, 0) > 1:
+            pin.loads[only] -= 1
             return
         for key in [only] if only is not None else list(pin.parts):
             slots = pin.parts.pop(key, None) if key is not None else None
@@ -198,10 +203,16 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ namespaces
 
-    def lookup_spaces(self, owner: str, fingerprint: str, tp_size: int) -> list[Namespace] | None:
-        """Return the namespaces of every rank, or None when one of them does not exist."""
-        if not 1 <= tp_size <= MAX_TP_SIZE:
-            raise SidecarError("invalid_message", f"tp_size {tp_size} outside 1..{MAX_TP_SIZE}")
+    def lookup_spaces(
+        self, owner: str, fingerprint: str, tp_size: int, loads: int = 1
+    ) -> list[Namespace] | None:
+        """Return the namespaces of every rank, or None when one of them does not exist.
+
+        ``loads`` (`CacheLookup.loads`) is checked here too, with ``tp_size``.
+        """
+        for name, value in (("tp_size", tp_size), ("loads", loads)):
+            if not 1 <= value <= MAX_TP_SIZE:
+                raise SidecarError("invalid_message", f"{name} {value} outside 1..{MAX_TP_SIZE}")
         spaces = []
         for rank in range(tp_size):
             ns = self.namespaces.get((owner, fingerprint, rank))

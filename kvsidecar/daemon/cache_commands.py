@@ -148,14 +148,14 @@ class CacheCommands(Commands):
         cache = self._cache_service()
         keys = split_keys(data[0], req.key_size, self.config.max_ids_per_command)
         cache.sweep_pins(time.monotonic())
-        spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size)
+        spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size, req.loads)
         hits = 0 if spaces is None else min(ns.index.lookup(keys) for ns in spaces)
         pin_id = 0
         cache.metrics.lookup(hits, len(keys) - hits)
         for ns in spaces or ():
             ns.hit_blocks += hits
         if req.pin_s > 0 and spaces is not None and hits:
-            pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s)
+            pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s, req.loads)
             cache.metrics.pin(hits)
         return CacheHits(id=req.id, hits=hits, pin_id=pin_id)
 

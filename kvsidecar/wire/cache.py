@@ -23,12 +23,15 @@ class CacheLookup(_Request, tag="cache_lookup", frozen=True):
     one frame. A block counts when every TP rank ``0 .. tp_size-1`` of the sender's namespace
     ``fingerprint`` holds it ready. Changes nothing unless ``pin_s`` > 0: then the hit blocks are
     pinned on every rank (not evicted) until loaded under the returned pin, or for ``pin_s``.
+    ``loads`` is how many loads under the pin release each namespace's part of it: the ranks
+    that load from one namespace (an MLA engine's TP size: its ranks share rank 0's).
     """
 
     fingerprint: str
     tp_size: int = 1
     key_size: int = 32
     pin_s: float = 0.0
+    loads: int = 1
 
 
 class CacheStore(_Request, tag="cache_store", frozen=True):

@@ -184,7 +184,8 @@ def store_and_load(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.
 
 def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
     """MLA under TP 2: both ranks of ``a`` store the same latent, the daemon keeps it once (rank
-    0's namespace: a lookup of TP 1 hits, rank 1 stores nothing), both ranks of ``b`` load it."""
+    0's namespace: a lookup of TP 1 hits, rank 1 stores nothing), both ranks of ``b`` load it,
+    under one pin that holds until the second rank's load."""
     from kvsidecar.client import SidecarClient
 
     a = [Engine(case["engine"]) for _ in range(2)]
@@ -205,11 +206,19 @@ def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndar
         assert stored == [len(src), 0], f"stored per rank {stored}"
         with SidecarClient(endpoint, heartbeat=False) as client:
             hits = [client.cache_lookup(fp, keys, tp_size=n).hits for n in (1, 2)]
-        assert hits == [len(src), 0], f"hits with TP 1 and 2: {hits}"  # one namespace
-        for side in sb:
-            side.start_loads(StepPlan(1, fp, loads=[LoadSpec("r", keys, dst)]))
-            errors = side.take_load_errors()
-            assert not errors, f"load errors {errors}"
+            assert hits == [len(src), 0], f"hits with TP 1 and 2: {hits}"  # one namespace
+            pin = client.cache_lookup(fp, keys, pin_s=60.0, loads=2)
+
+            def pinned() -> int:
+                (ns,) = [n for n in client.status().cache_namespaces if n.fingerprint == fp]
+                return ns.pinned_blocks
+
+            for rank, side in enumerate(sb):
+                side.start_loads(StepPlan(1, fp, loads=[LoadSpec("r", keys, dst, pin.pin_id)]))
+                errors = side.take_load_errors()
+                assert not errors, f"load errors {errors}"
+                left = pinned()
+                assert left == (len(src) if rank == 0 else 0), f"after rank {rank}: {left} pinned"
     finally:
         for side in (*sa, *sb):
             side.close()

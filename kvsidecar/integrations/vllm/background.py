@@ -49,10 +49,18 @@ class _Lookup:
 class Lookups:
     """See the module doc. Used from vLLM's scheduler thread only."""
 
-    def __init__(self, conn: DaemonConnection, settings: ConnectorSettings, tp_size: int) -> None:
+    def __init__(
+        self,
+        conn: DaemonConnection,
+        settings: ConnectorSettings,
+        tp_size: int,
+        *,
+        replicated: bool = False,
+    ) -> None:
         self.conn = conn
         self.settings = settings
-        self.tp_size = tp_size
+        # Replicated (MLA): every rank loads from rank 0's one namespace, each under the pin.
+        self.tp_size, self.loads = (1, tp_size) if replicated else (tp_size, 1)
         self._entries: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
 
     def answer(self, request_id: str, fingerprint: str, keys: list[bytes]) -> int | None:
@@ -74,6 +82,7 @@ class Lookups:
                 tp_size=self.tp_size,
                 pin_s=self.settings.pin_s,
                 timeout=self.settings.lookup_timeout_s,
+                loads=self.loads,
             )
         except SidecarError as exc:
             self.conn.away(f"lookup: {exc}")

@@ -125,7 +125,7 @@ class SchedulerSide:
             settings, "scheduler", heartbeat=False, timeout_s=settings.lookup_timeout_s
         )
         # MLA: every rank holds the same latent, which the daemon keeps once (rank 0's namespace).
-        self.lookups = Lookups(self.conn, settings, 1 if replicated else tp_size)
+        self.lookups = Lookups(self.conn, settings, tp_size, replicated=replicated)
         self.counters: collections.Counter[str] = collections.Counter()
         """Running totals: ``ignored:<reason>`` for every request whose params were ignored."""
         self._tracked: dict[str, _Tracked] = {}
