@@ -16,6 +16,7 @@ and pulls. Per case, ``out.npz`` holds ``<case>.want`` (the tokens written, as r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvsidecar.integrations.vllm.layout import LayoutUnknown, paged_views
 from kvsidecar.integrations.vllm.plan import LoadSpec, PullSpec, StepPlan, StoreSpec
+from kvsidecar.integrations.vllm.scheduler import SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
 from kvsidecar.integrations.vllm.worker import WorkerSide
 
@@ -184,8 +186,9 @@ def store_and_load(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.
 
 def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
     """MLA under TP 2: both ranks of ``a`` store the same latent, the daemon keeps it once (rank
-    0's namespace: a lookup of TP 1 hits, rank 1 stores nothing), both ranks of ``b`` load it,
-    under one pin that holds until the second rank's load."""
+    0's namespace: a lookup of TP 1 hits, rank 1 stores nothing); ``b``'s scheduler half finds
+    it and plans an async load, which both ranks of ``b`` run under the lookup's one pin (held
+    until the second rank's load)."""
     from kvsidecar.client import SidecarClient
 
     a = [Engine(case["engine"]) for _ in range(2)]
@@ -207,14 +210,18 @@ def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndar
         with SidecarClient(endpoint, heartbeat=False) as client:
             hits = [client.cache_lookup(fp, keys, tp_size=n).hits for n in (1, 2)]
             assert hits == [len(src), 0], f"hits with TP 1 and 2: {hits}"  # one namespace
-            pin = client.cache_lookup(fp, keys, pin_s=60.0, loads=2)
 
             def pinned() -> int:
                 (ns,) = [n for n in client.status().cache_namespaces if n.fingerprint == fp]
                 return ns.pinned_blocks
 
+            plan = _planned_load(endpoint, fp, keys, dst, b[0].block_size)
+            assert pinned() == len(src)
             for rank, side in enumerate(sb):
-                side.start_loads(StepPlan(1, fp, loads=[LoadSpec("r", keys, dst, pin.pin_id)]))
+                side.start_loads(plan)
+                deadline = time.monotonic() + 20
+                while not side.finished(idle=True)[1]:
+                    assert time.monotonic() < deadline, f"rank {rank}'s load did not end"
                 errors = side.take_load_errors()
                 assert not errors, f"load errors {errors}"
                 left = pinned()
@@ -224,6 +231,45 @@ def replicated(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndar
             side.close()
     got = np.concatenate([e.read(dst, tokens) for e in b])
     return np.concatenate([want[0], want[0]]), got, all(e.untouched(dst) for e in b)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _planned_load(
+    endpoint: str, fp: str, keys: list[bytes], blocks: list[int], block_size: int
+) -> StepPlan:
+    """The plan of a TP-2 MLA engine's scheduler half for a request whose blocks are cached."""
+    side = SchedulerSide(
+        ConnectorSettings(endpoint=endpoint),
+        role="kv_both",
+        engine_id="sched",
+        fingerprint=fp,
+        block_size=block_size,
+        tp_size=2,
+        prefix_cache=True,
+        replicated=True,
+    )
+    side.start()
+    try:
+        request = _Request("r", keys, len(keys) * block_size)
+        deadline = time.monotonic() + 10
+        while (answer := side.lookup(request, 0))[0] is None:
+            assert time.monotonic() < deadline, "no lookup answer"
+            time.sleep(0.005)
+        assert answer == (len(keys) * block_size, True), answer
+        side.after_alloc(request, blocks, len(keys) * block_size)
+        plan = side.build([], [])
+        (load,) = plan.loads
+        assert load.asynchronous and load.pin_id and load.block_ids == blocks, load
+        return plan
+    finally:
+        side.close()
 
 
 def pull(endpoint: str, case: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
