@@ -53,41 +53,17 @@ def bench(
     server: VllmServer, out: Path, args: argparse.Namespace, seed: int
 ) -> tuple[list[float], list[float]]:
     """Run ``vllm bench serve`` once; every token's ITL and arrival time (after the first)."""
-    cmd = [
-        str(VENV / "bin" / "vllm"),
-        "bench",
-        "serve",
-        "--backend",
-        "vllm",
-        "--base-url",
-        server.url,
-        "--model",
-        server.model,
-        "--tokenizer",
-        server.model,
+    dataset = [
         "--dataset-name",
         "random",
         "--random-input-len",
         str(args.input),
         "--random-output-len",
         str(args.output),
-        "--num-prompts",
-        str(args.prompts),
-        "--max-concurrency",
-        str(args.prompts),
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--seed",
-        str(seed),
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(out.parent),
-        "--result-filename",
-        out.name,
-        "--disable-tqdm",
     ]
+    cmd = server.bench_serve_command(
+        out, dataset, prompts=args.prompts, concurrency=args.prompts, seed=seed
+    )
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
     result = json.loads(out.read_text())

@@ -549,18 +549,7 @@ def test_a_daemon_stopped_between_pin_and_load_costs_one_load_timeout(rig: Rig) 
 def bench(server: VllmServer, out: Path, *, seed: int, prompts: int) -> subprocess.Popen[bytes]:
     """Start ``vllm bench serve`` (vLLM's own client) on ``server``: shared-prefix requests,
     16 at a time, greedy; its result (every request's output) goes to ``out``."""
-    cmd = [
-        str(server.venv / "bin" / "vllm"),
-        "bench",
-        "serve",
-        "--backend",
-        "vllm",
-        "--base-url",
-        server.url,
-        "--model",
-        server.model,
-        "--tokenizer",
-        server.model,
+    dataset = [
         "--dataset-name",
         "prefix_repetition",
         "--prefix-repetition-prefix-len",
@@ -571,23 +560,8 @@ def bench(server: VllmServer, out: Path, *, seed: int, prompts: int) -> subproce
         "4",
         "--prefix-repetition-output-len",
         "16",
-        "--num-prompts",
-        str(prompts),
-        "--max-concurrency",
-        "16",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--seed",
-        str(seed),
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(out.parent),
-        "--result-filename",
-        out.name,
-        "--disable-tqdm",
     ]
+    cmd = server.bench_serve_command(out, dataset, prompts=prompts, concurrency=16, seed=seed)
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - the child holds it
     return subprocess.Popen(
         cmd, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}

@@ -280,6 +280,42 @@ class VllmServer:
                 pids.append(int(entry.name))
         return pids
 
+    def bench_serve_command(
+        self, out: Path, dataset: list[str], *, prompts: int, concurrency: int, seed: int
+    ) -> list[str]:
+        """``vllm bench serve`` (vLLM's own client) on this server: greedy, ``--ignore-eos``,
+        every request's result saved to ``out``; ``dataset`` names the prompts and their sizes."""
+        return [
+            str(self.venv / "bin" / "vllm"),
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--base-url",
+            self.url,
+            "--model",
+            self.model,
+            "--tokenizer",
+            self.model,
+            *dataset,
+            "--num-prompts",
+            str(prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--seed",
+            str(seed),
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(out.parent),
+            "--result-filename",
+            out.name,
+            "--disable-tqdm",
+        ]
+
     def tail(self, lines: int = 60) -> str:
         """The end of the server's log."""
         text = self.log_path.read_text(errors="replace").splitlines()
