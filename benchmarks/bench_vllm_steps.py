@@ -19,11 +19,18 @@ Rounds alternate base and kvsidecar (``--rounds`` of each, the machine shared th
   SIGCONT; the longest gap between two tokens of a request while it was stopped, over the
   median step time of the base rounds.
 
+With ``--hooks``, instead: ``--rounds`` fresh kvsidecar servers, one ``vllm bench serve`` run
+each, and the connector's own time per step from the hook timings its processes write at
+shutdown (``stats_file``; the per-step hooks of scheduler and worker, each one's mean per call,
+summed: `bench_vllm.hook_seconds_per_step`) over that round's step time: its share of a step
+on vLLM's path, which the two servers' difference cannot resolve on a shared machine.
+
 Each figure per round, then the median of rounds and their range; JSON with every sample with
 ``--json``. ``perf_counter`` (the client's token times) and ``monotonic`` (when the daemon was
 stopped) are the same clock on Linux.
 
     .venv/bin/python benchmarks/bench_vllm_steps.py [--rounds 5] [--json FILE]
+    .venv/bin/python benchmarks/bench_vllm_steps.py --hooks [--rounds 5]
 """
 
 from __future__ import annotations
@@ -123,6 +130,35 @@ def stopped_run(
     return {"tokens_while_stopped": len(inside), "max_itl_while_stopped": max(inside, default=0.0)}
 
 
+def hook_rounds(
+    args: argparse.Namespace, tmp: Path, ktc: dict[str, Any], env: dict[str, str], extra: Any
+) -> list[dict[str, float]]:
+    """Per round, a fresh kvsidecar server's step time and its connector's time per step."""
+    from bench_vllm import hook_seconds_per_step  # benchmarks/ is this script's sys.path[0]
+
+    rounds = []
+    for r in range(args.rounds):
+        stats = tmp / f"stats-{r}.jsonl"
+        config = {**ktc, "kv_connector_extra_config": {"stats_file": str(stats)}}
+        slow = (*extra, "--shutdown-timeout", "60")  # the engine core writes its hooks too
+        server = VllmServer(
+            f"hooks-{r}", VENV, tmp / "model", tmp, kv_transfer_config=config, env=env, args=slow
+        )
+        try:
+            server.wait_ready()
+            bench(server, tmp / f"hooks-{r}.json", args, seed=200 + r)
+            # The API server alone: it shuts its engine down, whose connector halves then write
+            # their timings (SIGTERM to the whole group would end the engine core before).
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(120)
+        finally:
+            server.stop()
+        hook_s, step_s = hook_seconds_per_step(stats), step_time(tmp / f"hooks-{r}.json")
+        rounds.append({"hook_s": hook_s, "step_s": step_s, "share": hook_s / step_s})
+        print(f"round {r}: hooks {hook_s * 1e3:.3f} ms of a {step_s * 1e3:.2f} ms step")
+    return rounds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -132,6 +168,9 @@ def main() -> int:
     parser.add_argument("--stop-after", type=float, default=0.5)
     parser.add_argument("--stop-s", type=float, default=10.0)
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument(
+        "--hooks", action="store_true", help="the connector's own time per step, round by round"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvs-steps-"))
     make_model(VENV, tmp / "model")
@@ -146,6 +185,19 @@ def main() -> int:
             "kvsidecar", VENV, tmp / "model", tmp, kv_transfer_config=ktc, env=env, args=extra
         ),
     }
+    if args.hooks:
+        try:
+            rounds = hook_rounds(args, tmp, ktc, env, extra)
+        finally:
+            daemon.stop()
+        shares = [r["share"] for r in rounds]
+        print(
+            f"the connector's share of a step: median {statistics.median(shares):.2%} "
+            f"(range {min(shares):.2%} .. {max(shares):.2%}), load {os.getloadavg()[0]:.2f}"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps({"hooks": rounds, "args": vars(args)}))
+        return 0
     samples: dict[str, list[Any]] = {"base": [], "kvsidecar": [], "stopped": []}
     try:
         for server in servers.values():
