@@ -179,12 +179,6 @@ def main() -> int:
     ktc = {**CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {}}
     env = {"KVSIDECAR_RUNTIME_DIR": daemon.config.runtime_dir}
     extra = ("--max-model-len", str(args.input + args.output + 32))
-    servers = {
-        "base": VllmServer("base", VENV, tmp / "model", tmp, args=extra),
-        "kvsidecar": VllmServer(
-            "kvsidecar", VENV, tmp / "model", tmp, kv_transfer_config=ktc, env=env, args=extra
-        ),
-    }
     if args.hooks:
         try:
             rounds = hook_rounds(args, tmp, ktc, env, extra)
@@ -198,6 +192,12 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"hooks": rounds, "args": vars(args)}))
         return 0
+    servers = {
+        "base": VllmServer("base", VENV, tmp / "model", tmp, args=extra),
+        "kvsidecar": VllmServer(
+            "kvsidecar", VENV, tmp / "model", tmp, kv_transfer_config=ktc, env=env, args=extra
+        ),
+    }
     samples: dict[str, list[Any]] = {"base": [], "kvsidecar": [], "stopped": []}
     try:
         for server in servers.values():
