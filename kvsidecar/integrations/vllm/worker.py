@@ -20,12 +20,11 @@ longer than the copies it needs:
 - **stores** (``wait_for_save``): this step's full blocks, submitted without waiting, except
   for requests whose load failed on this rank (their later blocks were computed over blocks
   nobody wrote: never stored until vLLM frees them);
-- **completions** (``get_finished``): async loads and pulls that ended, and published requests
-  that their
-  consumer read (the daemon's events for this worker, ``take_worker_events``, asked at one call
-  and read at a later one: never waited for), and held requests whose stores ended. An event
-  that names a request this worker has not been told of yet (its plan comes a step later under
-  async scheduling) is kept until it is, for a while.
+- **completions** (``get_finished``): async loads and pulls that ended, published requests
+  that their consumer read (the daemon's events for this worker, ``take_worker_events``, asked
+  at one call and read at a later one: never waited for), and held requests whose stores ended.
+  An event that names a request this worker has not been told of yet (its plan comes a step
+  later under async scheduling) is kept until it is, for a while.
 
 Nothing here raises into vLLM: a daemon that is away or fails turns every load into a load error
 (vLLM recomputes those blocks), every store into nothing, every pull into a received request
