@@ -260,6 +260,33 @@ def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
         shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
 
 
+def test_a_call_submitted_to_a_dead_daemon_fails_as_connection_lost() -> None:
+    """A submit does not look for the daemon's death itself: sent after it, the call fails with
+    ``connection_lost`` at its first poll, long before its timeout; once the death is known, a
+    submit refuses at once."""
+    d = DaemonProcess(make_config(host_pool_bytes=8 << 20))
+    try:
+        d.wait_ready()
+        eng = Engine(d.config.endpoint, "a", 3)
+        try:
+            eng.client.submit_cache_store("m", [key(1)], [1]).result()
+            d.proc.kill()
+            d.proc.wait(10)
+            started = time.monotonic()
+            pending = eng.client.submit_cache_store("m", [key(2)], [2], timeout=60)
+            with pytest.raises(SidecarError) as err:
+                pending.result()
+            assert err.value.code == "connection_lost" and time.monotonic() - started < 1
+            with pytest.raises(SidecarError) as err:
+                eng.client.submit_cache_store("m", [key(3)], [3], timeout=60)
+            assert err.value.code == "connection_lost"
+        finally:
+            eng.close()
+    finally:
+        d.stop()
+        shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+
+
 # ------------------------------------------------------------- the wire: round trips, bad input
 
 cache_requests = st.one_of(
