@@ -62,6 +62,9 @@ def test_settings_refuse_typos_and_wrong_types() -> None:
         ({"prefix_cache": 1}, "true or false"),
         ({"cache_bytes": 1.5}, "integer"),
         ({"timeout_s": 0}, "> 0"),
+        ({"store_batch_steps": 0}, "in 1..1024"),
+        ({"store_batch_steps": 1025}, "in 1..1024"),
+        ({"store_batch_steps": "8"}, "integer"),
     ):
         with pytest.raises(SettingsError, match=why):
             ConnectorSettings.from_extra(bad)
@@ -142,12 +145,13 @@ def test_stores_cover_each_full_block_once_and_skip_what_the_engine_had() -> Non
     assert ask(side, req, 4) == (0, False)  # no daemon: a miss
     side.after_alloc(req, [10, 11, 12, 13], 0)
     plan = side.build([Scheduled("r", 4, 9, None)], [])
-    assert [(s.keys, s.block_ids, s.request_id) for s in plan.stores] == [
-        (hashes[1:3], [11, 12], "r")
+    assert [(s.keys, s.block_ids, s.request_id, s.batched) for s in plan.stores] == [
+        (hashes[1:3], [11, 12], "r", False)  # a prompt's blocks: sent at once
     ]
     req.block_hashes = hashes[:4]  # a generated token filled block 3
     plan = side.build([Scheduled("r", 13, 3, [14])], [])
-    assert [(s.keys, s.block_ids) for s in plan.stores] == [(hashes[3:4], [13])]
+    # Fewer tokens than a block (decoding): the worker may batch it with later stores.
+    assert [(s.keys, s.block_ids, s.batched) for s in plan.stores] == [(hashes[3:4], [13], True)]
     last = side.build([Scheduled("r", 16, 1, None)], ["p"], ["f"])
     assert last.stores == [] and last.freed == ["p", "f"]
     # Its stores may still be copying: vLLM holds its blocks until the workers say they ended,
@@ -236,10 +240,10 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 def worker(
-    daemon: DaemonProcess, name: str, store_wait_s: float = 5.0
+    daemon: DaemonProcess, name: str, store_wait_s: float = 5.0, **kw: Any
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     settings = ConnectorSettings(
-        endpoint=daemon.config.endpoint, load_timeout_s=30.0, store_wait_s=store_wait_s
+        endpoint=daemon.config.endpoint, load_timeout_s=30.0, store_wait_s=store_wait_s, **kw
     )
     side = WorkerSide(settings, engine_id=name, tp_rank=0, tp_size=1, model_hash="mh")
     storage = torch.zeros(2 * 16 * 2 * 32 * 64, dtype=torch.bfloat16)
@@ -435,6 +439,66 @@ def test_the_fence_waits_only_for_stores_of_freed_blocks(daemon: DaemonProcess) 
             a.store(StepPlan(3, "fp", stores=[StoreSpec([k1], [2], "finished")]))
             a.fence(["finished"])
             assert c.cache_lookup("fp", [k1]).hits == 1
+    finally:
+        a.close()
+
+
+def test_a_decode_steps_blocks_are_stored_together_within_store_batch_steps(
+    daemon: DaemonProcess,
+) -> None:
+    """Batched blocks (decode steps') go out with the next store, at the latest in the
+    ``store_batch_steps``-th step; at once when their request is freed (before the fence waits),
+    held, in a step that computes nothing, or when the namespace changes."""
+    a, _ = worker(daemon, "a", store_batch_steps=4)
+    k = [bytes([0x40 + i]) * 32 for i in range(16)]
+
+    def batched(step: int, rid: str, fp: str = "fp", **plan: Any) -> StepPlan:
+        spec = StoreSpec([k[step]], [step], rid, batched=True)
+        return StepPlan(step, fp, stores=[spec], **plan)
+
+    try:
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+
+            def hits(keys: list[bytes], fp: str = "fp", want: int = -1) -> int:
+                deadline = time.monotonic() + 5
+                while True:
+                    got = c.cache_lookup(fp, keys).hits
+                    if want < 0 or got == want or time.monotonic() > deadline:
+                        return got
+                    time.sleep(0.02)
+
+            for step in (1, 2, 3):
+                a.store(batched(step, f"r{step}"))
+                a.fence([])
+            time.sleep(0.3)
+            assert hits(k[1:4]) == 0 and a.stores.batched  # nothing sent yet
+            a.store(batched(4, "r4"))  # the fourth step since the oldest: all four sent
+            assert not a.stores.batched and hits(k[1:5], want=4) == 4
+            a.fence([])
+            assert a.counters["stored_blocks"] == 4
+            # A prompt's block is sent at once, and takes the batch with it.
+            a.store(batched(5, "r5"))
+            a.store(StepPlan(6, "fp", stores=[StoreSpec([k[6]], [6], "r6")]))
+            assert hits(k[5:7], want=2) == 2
+            # Freed: the fence sends the request's batched block and waits for it.
+            a.store(batched(7, "gone"))
+            a.fence(["gone"])
+            assert hits(k[7:8]) == 1
+            # A step that computes nothing, and a held request, send the batch at once.
+            a.store(batched(8, "r8"))
+            a.store(StepPlan(9, "fp", idle=True))
+            assert hits(k[8:9], want=1) == 1
+            a.store(batched(10, "held"))
+            a.store(StepPlan(11, "fp", held=["held"]))
+            deadline = time.monotonic() + 5
+            sent: set[str] = set()
+            while not sent and time.monotonic() < deadline:
+                sent = a.finished(idle=False)[0]
+            assert sent == {"held"} and hits(k[10:11]) == 1
+            # A reset: the batch goes to the namespace it was computed for, the new one waits.
+            a.store(batched(12, "r12"))
+            a.store(batched(13, "r13", fp="fp2"))
+            assert hits(k[12:13], want=1) == 1 and hits(k[13:14], fp="fp2") == 0
     finally:
         a.close()
 

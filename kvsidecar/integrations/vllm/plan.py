@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 @dataclasses.dataclass
@@ -34,6 +34,9 @@ class StoreSpec:
     keys: list[bytes]
     block_ids: list[int]
     request_id: str = ""
+    batched: bool = False
+    """Filled by a decode step (fewer tokens than a block): may be sent with later stores,
+    `kvsidecar.integrations.vllm.stores`."""
 
 
 @dataclasses.dataclass
@@ -107,9 +110,12 @@ class RequestView(Protocol):
         ...
 
 
-@dataclasses.dataclass(frozen=True)
-class Scheduled:
-    """One request scheduled this step, as `SchedulerSide.build` needs it."""
+class Scheduled(NamedTuple):
+    """One request scheduled this step, as `SchedulerSide.build` needs it.
+
+    A tuple: one is made per running request and step, and a frozen dataclass costs three
+    times as much to make.
+    """
 
     request_id: str
     num_computed_tokens: int

@@ -8,11 +8,10 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
   the engine's own prefix-cache hit that every rank holds in the daemon. By default the load is
   *asynchronous* (``async_loads``): vLLM parks the request until its workers report it received
   and computes other requests meanwhile; the hit may cover every full block of the prompt (vLLM
-  recomputes the last token). A *sync* load stops one token short of the prompt (the scheduler
-  must compute at least one token) and the forward waits for it.
+  recomputes the last token). A *sync* load stops a token short and the forward waits for it.
   The lookup pins its hits for the load that `SchedulerSide.after_alloc` plans. Every full block a
-  step computes is stored after that step (`StepPlan.stores`); blocks the engine already had are
-  not stored again.
+  step computes is stored after that step (`StepPlan.stores`; a decode step's may be batched,
+  `kvsidecar.integrations.vllm.stores`); blocks the engine already had are not stored again.
 - **Nothing computed over a failed load is stored**: the workers report each load's outcome per
   rank (`SchedulerSide.confirm`); a request whose load failed on any rank stores nothing more,
   and with TP > 1 its stores wait until every rank has confirmed its load.
@@ -382,7 +381,8 @@ class SchedulerSide:
             if full > tracked.stored:
                 keys = list(hashes[tracked.stored : full])
                 ids = tracked.block_ids[tracked.stored : full]
-                plan.stores.append(StoreSpec(keys, ids, s.request_id))
+                decode = s.num_scheduled_tokens < bs  # fills a block now and then: batched
+                plan.stores.append(StoreSpec(keys, ids, s.request_id, batched=decode))
                 tracked.stores_planned = True
                 tracked.stored = full
         self._building = None

@@ -18,6 +18,10 @@ class SettingsError(ValueError):
     """A connector setting has a value the connector cannot run with; the message names it."""
 
 
+MAX_STORE_BATCH_STEPS = 1024
+"""Most decode steps whose blocks a store may batch (beyond, other engines see them too late)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     """What ``kv_connector_extra_config`` may set (defaults in the field list)."""
@@ -48,6 +52,9 @@ class ConnectorSettings:
     """After the daemon was found away, how long before it is tried again (misses meanwhile)."""
     store_wait_s: float = 5.0
     """How long a worker keeps a block unwritten for its store to copy it (``not_after``)."""
+    store_batch_steps: int = 8
+    """How many decode steps' full blocks a worker sends as one store (a prompt's blocks go at
+    once); 1: every step's at once."""
     load_timeout_s: float = 10.0
     """Bound on a load; past it the blocks are load errors."""
     async_loads: bool = True
@@ -84,6 +91,10 @@ class ConnectorSettings:
         for name in ("cache_bytes", "lease_s", "pull_timeout_s"):
             if getattr(settings, name) < 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be >= 0")
+        if not 1 <= settings.store_batch_steps <= MAX_STORE_BATCH_STEPS:
+            raise SettingsError(
+                f"kvsidecar connector: store_batch_steps must be in 1..{MAX_STORE_BATCH_STEPS}"
+            )
         for peer in settings.peers:
             if not peer.startswith(("tcp://", "ipc://")):
                 raise SettingsError(f"kvsidecar connector: peers: {peer!r} is no tcp:// endpoint")

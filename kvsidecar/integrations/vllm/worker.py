@@ -17,9 +17,10 @@ longer than the copies it needs:
   vLLM waits for them (async loads, the default) or waited for (sync: this step's forward reads
   them), `kvsidecar.integrations.vllm.loads`; pulls of a disaggregated prefill, submitted and
   left running;
-- **stores** (``wait_for_save``): this step's full blocks, submitted without waiting, except
-  for requests whose load failed on this rank (their later blocks were computed over blocks
-  nobody wrote: never stored until vLLM frees them);
+- **stores** (``wait_for_save``): this step's full blocks, sent without waiting (a decode
+  step's batched with later ones), `kvsidecar.integrations.vllm.stores`; except for requests
+  whose load failed on this rank (their later blocks were computed over blocks nobody wrote:
+  never stored until vLLM frees them);
 - **completions** (``get_finished``): async loads and pulls that ended, published requests
   that their consumer read (the daemon's events for this worker, ``take_worker_events``, asked
   at one call and read at a later one: never waited for), and held requests whose stores ended.
@@ -47,7 +48,7 @@ from kvsidecar.integrations.vllm.layout import CacheLayout, share_storages
 from kvsidecar.integrations.vllm.loads import WorkerLoads
 from kvsidecar.integrations.vllm.plan import PullSpec, StepPlan
 from kvsidecar.integrations.vllm.settings import ConnectorSettings
-from kvsidecar.wire.cache import CacheStored
+from kvsidecar.integrations.vllm.stores import WorkerStores
 from kvsidecar.wire.pulls import Pulled
 from kvsidecar.wire.reports import PeerCompletion
 
@@ -87,8 +88,6 @@ class WorkerSide:
         self.conn: DaemonConnection | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._reconnects = -1
-        self._stores: list[tuple[Pending[CacheStored], set[str]]] = []
-        """Stores in flight and the requests whose blocks each one reads."""
         self._pulls: list[tuple[list[PullSpec], Pending[Pulled] | None]] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
@@ -108,6 +107,7 @@ class WorkerSide:
         """Running totals of blocks (``loaded_blocks``, ``load_errors``, ``stored_blocks``,
         ``not_stored``), ``pulled`` requests and ``events_dropped`` (also in the shutdown log)."""
         self.loads = WorkerLoads(settings, tp_rank, self.counters)
+        self.stores = WorkerStores(settings, self.counters, self._client)
 
     # ------------------------------------------------------------------ registration
 
@@ -187,28 +187,7 @@ class WorkerSide:
         gone = set(freed)
         if gone:
             self.loads.fence(gone)
-        if not self._stores:
-            return
-        still = []
-        for store, requests in self._stores:
-            if store.done():
-                self._count_store(store)
-                continue
-            left = store.deadline - time.monotonic()
-            if left <= 0:
-                continue  # abandoned: its copy, if it ever ends, is thrown away
-            if requests & gone:
-                if store.wait(min(left, self.settings.store_wait_s)):
-                    self._count_store(store)
-                continue  # abandoned likewise if it is not done by its deadline
-            still.append((store, requests))
-        self._stores = still
-
-    def _count_store(self, store: Pending[CacheStored]) -> None:
-        try:
-            self.counters["stored_blocks"] += store.result().stored
-        except SidecarError as exc:
-            log.debug("store failed: %s", exc)
+        self.stores.fence(gone)
 
     def start_loads(self, plan: StepPlan) -> None:
         """Submit the pulls and the loads; wait for the sync loads.
@@ -237,7 +216,7 @@ class WorkerSide:
         self.loads.fail([*plan.loads, *plan.failed_loads])
 
     def store(self, plan: StepPlan) -> None:
-        """After the forward: submit this step's stores; note the requests it must send."""
+        """After the forward: send (or batch) this step's stores; note the requests to send."""
         if plan.sends:
             self._sending.update(plan.sends)
             if self._early:
@@ -246,36 +225,19 @@ class WorkerSide:
         if plan.unsent:  # refused by the daemon: nobody reads them
             self._sending.difference_update(plan.unsent)
             self._released.update(plan.unsent)
-        if not plan.stores:
-            return  # most decode steps
+        # Batched blocks wait for no step that computes nothing, nor for a held request.
+        now = plan.idle or bool(plan.held)
         if self.tp_rank and self.layout is not None and self.layout.arrangement == "mla":
             return  # every rank holds the same latent: rank 0 stores it for all (one namespace)
         tainted = self.loads.tainted
-        specs = [s for s in plan.stores if s.request_id not in tainted]
-        for spec in plan.stores:
-            if spec.request_id in tainted:
-                self.counters["not_stored"] += len(spec.block_ids)
-        if not specs:
-            return
-        client = self._client()
-        if client is None:
-            return
-        keys = [k for spec in specs for k in spec.keys]
-        block_ids = [b for spec in specs for b in spec.block_ids]
-        not_after = time.monotonic() + self.settings.store_wait_s
-        requests = {spec.request_id for spec in specs}
-        try:
-            store = client.submit_cache_store(
-                plan.fingerprint,
-                keys,
-                block_ids,
-                not_after=not_after,
-                capacity_bytes=self.settings.cache_bytes,
-                timeout=self.settings.store_wait_s,
+        specs = plan.stores
+        if tainted and specs:
+            specs = [s for s in specs if s.request_id not in tainted]
+            self.counters["not_stored"] += sum(
+                len(s.block_ids) for s in plan.stores if s.request_id in tainted
             )
-            self._stores.append((store, requests))
-        except SidecarError as exc:
-            log.debug("store not sent: %s", exc)
+        if specs or now or self.stores.batched:
+            self.stores.add(plan.step, plan.fingerprint, specs, now=now)
 
     def finished(self, *, idle: bool) -> tuple[set[str], set[str], set[str]]:
         """Return the requests that finished sending, receiving, and failed receiving.
@@ -292,14 +254,7 @@ class WorkerSide:
         """Held requests none of whose stores may still copy (done, or past ``not_after``)."""
         if not self._holding:
             return set()
-        now = time.monotonic()
-        copying = {
-            rid
-            for store, requests in self._stores
-            if now < store.deadline and not store.done()
-            for rid in requests
-        }
-        done = self._holding - copying
+        done = self._holding - self.stores.copying()
         self._holding -= done
         return done
 
