@@ -285,16 +285,22 @@ STEP_HOOKS = {
 """The hooks vLLM calls once per step (the per-request ones, lookups and loads, are not)."""
 
 
-def hook_seconds_per_step(stats: Path) -> float:
-    """The connector's own time per engine step, from the hook timings its processes wrote."""
-    per_step = 0.0
+def hook_means(stats: Path) -> dict[str, float]:
+    """Each per-step hook's mean seconds per call (``role:hook``), from the timings written."""
+    means: dict[str, float] = {}
     for line in stats.read_text().splitlines():
         record = json.loads(line)
         for hook in STEP_HOOKS[record["role"]]:
             calls, seconds = record["hooks"].get(hook, [0, 0.0])
             if calls:
-                per_step += seconds / calls
-    return per_step
+                key = f"{record['role']}:{hook}"
+                means[key] = means.get(key, 0.0) + seconds / calls
+    return means
+
+
+def hook_seconds_per_step(stats: Path) -> float:
+    """The connector's own time per engine step, from the hook timings its processes wrote."""
+    return sum(hook_means(stats).values())
 
 
 def main() -> int:

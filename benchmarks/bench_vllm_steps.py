@@ -134,7 +134,7 @@ def hook_rounds(
     args: argparse.Namespace, tmp: Path, ktc: dict[str, Any], env: dict[str, str], extra: Any
 ) -> list[dict[str, float]]:
     """Per round, a fresh kvsidecar server's step time and its connector's time per step."""
-    from bench_vllm import hook_seconds_per_step  # benchmarks/ is this script's sys.path[0]
+    from bench_vllm import hook_means  # benchmarks/ is this script's sys.path[0]
 
     rounds = []
     for r in range(args.rounds):
@@ -153,9 +153,14 @@ def hook_rounds(
             server.proc.wait(120)
         finally:
             server.stop()
-        hook_s, step_s = hook_seconds_per_step(stats), step_time(tmp / f"hooks-{r}.json")
-        rounds.append({"hook_s": hook_s, "step_s": step_s, "share": hook_s / step_s})
-        print(f"round {r}: hooks {hook_s * 1e3:.3f} ms of a {step_s * 1e3:.2f} ms step")
+        means = hook_means(stats)
+        hook_s, step_s = sum(means.values()), step_time(tmp / f"hooks-{r}.json")
+        rounds.append({"hook_s": hook_s, "step_s": step_s, "share": hook_s / step_s, **means})
+        top = sorted(means.items(), key=lambda kv: -kv[1])[:4]
+        print(
+            f"round {r}: hooks {hook_s * 1e3:.3f} ms of a {step_s * 1e3:.2f} ms step; "
+            + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in top)
+        )
     return rounds
 
 
