@@ -6,6 +6,7 @@ plain indexing; the index is checked against a model written here (a dict and a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -235,56 +236,53 @@ def test_same_fingerprint_other_layers_and_other_engines_blocks_are_refused(
     assert err.value.code == "forbidden"
 
 
-def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
-    """A load in flight when the daemon is killed ends as connection_lost, long before timeout."""
+@contextlib.contextmanager
+def engine_of_a_daemon_to_kill() -> Iterator[tuple[DaemonProcess, Engine]]:
+    """A daemon of its own (the test kills it) and an engine that stored one block there."""
     d = DaemonProcess(make_config(host_pool_bytes=8 << 20))
     try:
         d.wait_ready()
         eng = Engine(d.config.endpoint, "a", 3)
         try:
             eng.client.submit_cache_store("m", [key(1)], [1]).result()
-            os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon cannot answer now
-            pending = eng.client.submit_cache_load("m", [key(1)], [2], timeout=60)
-            assert not pending.wait(0.3)
-            started = time.monotonic()
-            os.kill(d.proc.pid, signal.SIGKILL)
-            with pytest.raises(SidecarError) as err:
-                pending.result()
-            assert err.value.code == "connection_lost"
-            assert time.monotonic() - started < 5
-            assert not eng.client.available
+            yield d, eng
         finally:
             eng.close()
     finally:
         d.stop()
         shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+
+
+def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
+    """A load in flight when the daemon is killed ends as connection_lost, long before timeout."""
+    with engine_of_a_daemon_to_kill() as (d, eng):
+        os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon cannot answer now
+        pending = eng.client.submit_cache_load("m", [key(1)], [2], timeout=60)
+        assert not pending.wait(0.3)
+        started = time.monotonic()
+        os.kill(d.proc.pid, signal.SIGKILL)
+        with pytest.raises(SidecarError) as err:
+            pending.result()
+        assert err.value.code == "connection_lost"
+        assert time.monotonic() - started < 5
+        assert not eng.client.available
 
 
 def test_a_call_submitted_to_a_dead_daemon_fails_as_connection_lost() -> None:
     """A submit does not look for the daemon's death itself: sent after it, the call fails with
     ``connection_lost`` at its first poll, long before its timeout; once the death is known, a
     submit refuses at once."""
-    d = DaemonProcess(make_config(host_pool_bytes=8 << 20))
-    try:
-        d.wait_ready()
-        eng = Engine(d.config.endpoint, "a", 3)
-        try:
-            eng.client.submit_cache_store("m", [key(1)], [1]).result()
-            d.proc.kill()
-            d.proc.wait(10)
-            started = time.monotonic()
-            pending = eng.client.submit_cache_store("m", [key(2)], [2], timeout=60)
-            with pytest.raises(SidecarError) as err:
-                pending.result()
-            assert err.value.code == "connection_lost" and time.monotonic() - started < 1
-            with pytest.raises(SidecarError) as err:
-                eng.client.submit_cache_store("m", [key(3)], [3], timeout=60)
-            assert err.value.code == "connection_lost"
-        finally:
-            eng.close()
-    finally:
-        d.stop()
-        shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+    with engine_of_a_daemon_to_kill() as (d, eng):
+        d.proc.kill()
+        d.proc.wait(10)
+        started = time.monotonic()
+        pending = eng.client.submit_cache_store("m", [key(2)], [2], timeout=60)
+        with pytest.raises(SidecarError) as err:
+            pending.result()
+        assert err.value.code == "connection_lost" and time.monotonic() - started < 1
+        with pytest.raises(SidecarError) as err:
+            eng.client.submit_cache_store("m", [key(3)], [3], timeout=60)
+        assert err.value.code == "connection_lost"
 
 
 # ------------------------------------------------------------- the wire: round trips, bad input
