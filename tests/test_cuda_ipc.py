@@ -214,7 +214,8 @@ class FakeIpc:
 async def fake_daemon() -> object:
     fake = FakeIpc([GPU0, GPU1])
     async with run_daemon(make_config(lease_s=60.0)) as daemon:  # no release by lease here
-        daemon.cuda_backend = fake
+        assert daemon.registrations is not None
+        daemon.registrations.cuda_backend = fake
         yield daemon, fake
 
 

@@ -322,7 +322,8 @@ async def test_registration_with_more_fds_than_one_message() -> None:
             # Both ends of the fd channel stay open; every fd the daemon received is closed.
             assert fd_count() == n0 + 2
         # A daemon that does not announce fd_tokens is not sent more than one message.
-        daemon.capabilities = ()
+        assert daemon.registrations is not None
+        daemon.registrations.capabilities = ()
         async with AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as old:
             with pytest.raises(SidecarError) as info:
                 await old.register_kv_caches(

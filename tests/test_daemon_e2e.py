@@ -281,7 +281,7 @@ async def test_short_move_on_blocks_of_a_running_move_applies_after_it() -> None
         last, other = int(ids[-1]), layers - 1
         for block in (7, 8):  # the first caches the pair's plan, the second takes the short road
             await c.move(device, host, [block], spare, layers=[f"l{other}"])
-        assert daemon.short_moves_total == 1
+        assert daemon.totals.short_moves == 1
         big = asyncio.ensure_future(c.offload(c.worker, list(range(blocks)), ids))
         short = asyncio.ensure_future(
             c.move(device, host, [5], [last], layers=[f"l{other}"])  # block 5 into the last

@@ -144,7 +144,7 @@ async def test_readyz_reports_the_drain() -> None:
     async with run_daemon(config) as daemon:
         base = f"http://127.0.0.1:{daemon.observability.port}"
         assert (await _aget(f"{base}/readyz"))[0] == 200
-        executor = daemon._executor
+        executor = daemon.executor
         assert executor is not None
         # A move-sized job that runs until the test lets it go: shutdown must wait for it.
         held = asyncio.ensure_future(executor.submit(lambda: release.wait(10), reads={}, writes={}))

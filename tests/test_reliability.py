@@ -112,7 +112,7 @@ async def test_checksummed_move_is_verified() -> None:
         back = await c.onboard(c.worker, [0, 1, 2], [10, 11, 12])
         assert back.verified
         assert torch.equal(mem[1][:, [10, 11, 12]], mem[1][:, [1, 5, 9]])
-        assert daemon.integrity_failures_total == 0
+        assert daemon.totals.integrity_failures == 0
 
 
 def test_checksum_mismatch_marks_destination_blocks_invalid() -> None:

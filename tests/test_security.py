@@ -189,7 +189,7 @@ async def test_curve_client_with_authorized_key_is_served(
     ) as c:
         assert (await c.status()).endpoint == daemon.config.endpoint
     assert daemon.zap is not None and daemon.zap.stats.accepted >= 1
-    assert not daemon.insecure_transport
+    assert daemon.control is not None and not daemon.control.insecure
 
 
 async def test_curve_refuses_unknown_key_and_plain_text(curve_daemon: tuple[Daemon, Path]) -> None:
@@ -212,7 +212,7 @@ async def test_plain_tcp_only_when_insecure() -> None:
     async with run_daemon(lambda: make_config(endpoint=tcp_endpoint(), insecure=True)) as daemon:
         async with AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as c:
             assert (await c.status()).endpoint == daemon.config.endpoint
-        assert daemon.insecure_transport
+        assert daemon.control is not None and daemon.control.insecure
         registry = daemon.observability.registry
         assert registry.get_sample_value("kvsidecar_insecure_transport") == 1
 

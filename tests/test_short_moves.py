@@ -1,4 +1,4 @@
-"""Short plain moves answered in one step (kvsidecar/daemon/short_moves.py) answer as every move.
+"""Short plain moves, copied without a job (`kvsidecar.daemon.moves`), answer as every move.
 
 Two daemons in this event loop, one with the fast path and one without
 (``short_move_fast_path``), get the same engines (real shared memory, the same bytes) and the
@@ -128,7 +128,7 @@ async def _run(fast: bool, seed: int) -> dict[str, Any]:
             ),
             "metrics": _move_metrics(daemon),
             "completions": _completions(daemon),
-            "short": daemon.short_moves_total,
+            "short": daemon.totals.short_moves,
         }
 
 
@@ -195,14 +195,14 @@ async def test_checksummed_moves_take_the_general_path() -> None:
         for i in range(3):
             reply = await c.move(me, me, [i], [10 + i])
             assert reply.verified
-        assert daemon.short_moves_total == 0
+        assert daemon.totals.short_moves == 0
     for t in caches:
         assert torch.equal(t[10:13].view(torch.int16), t[0:3].view(torch.int16))
 
 
-async def test_id_frames_decide_the_path_before_the_header_is_decoded() -> None:
-    """16 int64 ids a side (the most a short move's frames hold) take the fast path; longer
-    frames leave it before their header is decoded, 17 int32 ids after; all three copy right."""
+async def test_a_short_move_is_at_most_sixteen_ids_a_side_whatever_their_dtype() -> None:
+    """16 ids a side (`mover.SMALL_MOVE_IDS`) are copied without a job; 17, as int32 or as
+    int64 ids, become a job; all three copy right."""
     config = make_config()
     caches = _caches(3)
     l0 = caches[0].view(torch.int16)
@@ -214,10 +214,10 @@ async def test_id_frames_decide_the_path_before_the_header_is_decoded() -> None:
         await c.move(me, me, [0], [39], layers=["l0"])  # caches this layer list's plan
         cases = [(0, 16, "<i8", 1), (1, 17, "<i4", 0), (2, 17, "<i8", 0)]
         for first, n, dtype, short in cases:
-            before = daemon.short_moves_total
+            before = daemon.totals.short_moves
             src = np.arange(first, first + n, dtype=dtype)
             dst = np.arange(20, 20 + n, dtype=dtype)
             reply = await c.move(me, me, src, dst, layers=["l0"])
             assert reply.blocks == n
-            assert daemon.short_moves_total - before == short, (n, dtype)
+            assert daemon.totals.short_moves - before == short, (n, dtype)
             assert torch.equal(l0[20 : 20 + n], l0[first : first + n]), (n, dtype)

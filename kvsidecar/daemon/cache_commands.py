@@ -1,13 +1,10 @@
 """The prefix cache's commands: ``cache_lookup``, ``cache_store``, ``cache_load``.
 
 A lookup is answered inline (bookkeeping only). A store or a load is checked, its slots decided
-and its copy submitted as an ordinary move job (`kvsidecar.daemon.commands.Commands._run_job`:
-admission, hazard ordering, release of departed workers); it is answered from the event loop
-once the index knows the outcome, never from the copy thread, so that a lookup read after a
-store's reply sees the stored blocks.
-
-A mixin of `kvsidecar.daemon.server.Daemon` (through this class, which extends
-`kvsidecar.daemon.commands.Commands`); the namespaces themselves are `kvsidecar.daemon.cache`'s.
+and its copy run as an ordinary move job (`kvsidecar.daemon.runner.JobRunner`: admission, hazard
+ordering, release of departed workers); it is answered from the event loop once the index knows
+the outcome (the runner's ``finish``), never from the copy thread, so that a lookup read after a
+store's reply sees the stored blocks. The namespaces themselves are `kvsidecar.daemon.cache`'s.
 """
 
 from __future__ import annotations
@@ -15,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from kvsidecar.daemon.cache import Namespace, PrefixCache, slot_ids, split_keys, worker_of
-from kvsidecar.daemon.commands import Commands, ReplySink
+from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.copy_events import cuda_devices, event_device
 from kvsidecar.daemon.jobs import Job, move_job
+from kvsidecar.daemon.moves import Moves
+from kvsidecar.daemon.registry import Registry
+from kvsidecar.daemon.runner import Answer, JobRunner
 from kvsidecar.wire.cache import (
     CacheHits,
     CacheLoad,
@@ -35,35 +32,7 @@ from kvsidecar.wire.cache import (
 )
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Moved, Reply, Status, StatusReply
-
-
-class _AfterBookkeeping:
-    """A `ReplySink` that answers from the loop, with the reply ``make`` builds from `Moved`.
-
-    An early answer (from the copy thread, or from the loop before the bookkeeping) is
-    declined, so `Commands._run_job` settles the job on the loop, runs its ``track`` (the index
-    update), then `deliver` s; errors go through unchanged.
-    """
-
-    def __init__(self, respond: ReplySink, make: Callable[[Moved], Reply]) -> None:
-        self._respond = respond
-        self._make = make
-
-    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
-        """Decline early answers; after the bookkeeping, answer (see the class doc)."""
-        if early or from_thread:
-            return False
-        self.deliver(reply)
-        return True
-
-    def claim(self) -> Reply | None:
-        """Nothing was sent early: the loop always decides the reply."""
-        return None
-
-    def deliver(self, reply: Reply) -> None:
-        """Send the cache reply made from ``reply`` (an `Error` as it is)."""
-        self._respond.send(self._make(reply) if isinstance(reply, Moved) else reply)
+from kvsidecar.wire.protocol import Moved, Reply
 
 
 def _timed(job: Job, finished: list[float]) -> Job:
@@ -101,18 +70,26 @@ def _nbytes(outcome: asyncio.Future[Reply]) -> int:
     return reply.nbytes if isinstance(reply, Moved) else 0
 
 
-class CacheCommands(Commands):
-    """Handlers of the prefix-cache commands (a `Daemon` mixin, see the module doc)."""
+class CacheCommands:
+    """Handlers of the prefix-cache commands (see the module doc)."""
 
-    # Owned and set by `Daemon`.
-    cache: PrefixCache | None
+    def __init__(
+        self,
+        config: Config,
+        cache: PrefixCache,
+        registry: Registry,
+        runner: JobRunner,
+        moves: Moves,
+    ) -> None:
+        self._max_ids = config.max_ids_per_command
+        self._cache = cache
+        self._registry = registry
+        self._runner = runner
+        self._ids = moves.ids
 
-    def _status(self, req: Status) -> StatusReply:
-        """Answer ``status``, with the prefix cache's namespaces."""
-        reply = super()._status(req)
-        if self.cache is None:
-            return reply
-        spaces = [
+    def namespaces(self) -> list[CacheNamespaceInfo]:
+        """Describe the cache's namespaces as ``status`` reports them."""
+        return [
             CacheNamespaceInfo(
                 owner=ns.key[0],
                 fingerprint=ns.key[1],
@@ -126,27 +103,22 @@ class CacheCommands(Commands):
                 loaded_blocks=ns.loaded_blocks,
                 workers=len(ns.workers),
             )
-            for ns in self.cache.namespaces.values()
+            for ns in self._cache.namespaces.values()
         ]
-        return msgspec.structs.replace(reply, cache_namespaces=spaces)
-
-    def _cache_service(self) -> PrefixCache:
-        if self.cache is None:
-            raise SidecarError("shutting_down", "the prefix cache is not running")
-        return self.cache
 
     def _keys_and_ids(
         self, data: list[memoryview], key_size: int, ids_dtype: Any
     ) -> tuple[list[bytes], IdArray]:
-        keys = split_keys(data[0], key_size, self.config.max_ids_per_command)
+        keys = split_keys(data[0], key_size, self._max_ids)
         ids = self._ids(data[1], ids_dtype, "block")
         if len(keys) != ids.size:
             raise SidecarError("length_mismatch", f"{len(keys)} keys for {ids.size} block ids")
         return keys, ids
 
-    def _cache_lookup(self, req: CacheLookup, data: list[memoryview], owner: str) -> CacheHits:
-        cache = self._cache_service()
-        keys = split_keys(data[0], req.key_size, self.config.max_ids_per_command)
+    def lookup(self, req: CacheLookup, data: list[memoryview], owner: str) -> CacheHits:
+        """Count the leading keys held in every namespace the lookup names; pin them if asked."""
+        cache = self._cache
+        keys = split_keys(data[0], req.key_size, self._max_ids)
         cache.sweep_pins(time.monotonic())
         spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size, req.loads)
         hits = 0 if spaces is None else min(ns.index.lookup(keys) for ns in spaces)
@@ -159,12 +131,13 @@ class CacheCommands(Commands):
             cache.metrics.pin(hits)
         return CacheHits(id=req.id, hits=hits, pin_id=pin_id)
 
-    def _cache_store(
-        self, req: CacheStore, data: list[memoryview], respond: ReplySink, owner: str
+    def store(
+        self, req: CacheStore, data: list[memoryview], answer: Answer, owner: str
     ) -> asyncio.Future[Reply] | tuple[Reply, tuple[Any, ...]]:
-        cache = self._cache_service()
+        """Copy a worker's blocks into free (or evicted) slots of its namespace."""
+        cache = self._cache
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
-        worker = worker_of(self.registry, req.source.worker, req.source.epoch, req.source.medium)
+        worker = worker_of(self._registry, req.source.worker, req.source.epoch, req.source.medium)
         event_device(cuda_devices(worker.device), req.events)  # even when nothing is copied
         cache.sweep_pins(time.monotonic())
         ns = cache.namespace_for(
@@ -182,7 +155,7 @@ class CacheCommands(Commands):
             return reply, ()
         try:
             job = move_job(
-                self.registry,
+                self._registry,
                 worker.device,
                 ns.buffers,
                 ids[res.positions],
@@ -218,20 +191,15 @@ class CacheCommands(Commands):
                 nbytes=moved.nbytes if kept[0] else 0,
             )
 
-        return self._run_job(
-            _timed(job, finished),
-            req.id,
-            move=True,
-            respond=_AfterBookkeeping(respond, make),
-            track=track,
-        )
+        return self._runner.run(_timed(job, finished), req.id, answer, track=track, finish=make)
 
-    def _cache_load(
-        self, req: CacheLoad, data: list[memoryview], respond: ReplySink, owner: str
+    def load(
+        self, req: CacheLoad, data: list[memoryview], answer: Answer, owner: str
     ) -> asyncio.Future[Reply] | tuple[Reply, tuple[Any, ...]]:
-        cache = self._cache_service()
+        """Copy the held blocks of the named keys into a worker's blocks; name the missing."""
+        cache = self._cache
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
-        worker = worker_of(self.registry, req.target.worker, req.target.epoch, req.target.medium)
+        worker = worker_of(self._registry, req.target.worker, req.target.epoch, req.target.medium)
         event_device(cuda_devices(worker.device), req.events)  # even when nothing is copied
         ns = cache.namespace_for(owner, req.fingerprint, worker, create=False)
         slots = [None] * len(keys) if ns is None else ns.index.slots(keys)
@@ -247,7 +215,7 @@ class CacheCommands(Commands):
             )
             return loaded, ()
         job = move_job(
-            self.registry, ns.buffers, worker.device, slot_ids(held), ids[found], events=req.events
+            self._registry, ns.buffers, worker.device, slot_ids(held), ids[found], events=req.events
         )
         if req.not_after:
             job = _not_after(job, req.not_after)
@@ -274,6 +242,4 @@ class CacheCommands(Commands):
                 missing_block_ids=missing,
             )
 
-        return self._run_job(
-            job, req.id, move=True, respond=_AfterBookkeeping(respond, make), track=track
-        )
+        return self._runner.run(job, req.id, answer, track=track, finish=make)

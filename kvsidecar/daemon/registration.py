@@ -2,11 +2,8 @@
 
 The command handlers that make and unmake workers: ``hello``, ``register`` (mapping a worker's
 layers, its host mirror), ``unregister``, ``heartbeat``, ``grant``; and the two ways a worker
-leaves without asking: its fd channel closes, or its lease runs out (`Registration._lease_loop`).
-`Registration._release` is the one way out for all of them.
-
-A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below and sets it in
-``__init__`` / ``startup``; ``_dispatch`` there calls these handlers.
+leaves without asking: its fd channel closes, or its lease runs out (`Registrations.lease_loop`).
+`Registrations.release` is the one way out for all of them.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Hashable
-from typing import Any
+from collections.abc import Hashable
 
 import msgspec
 import torch
@@ -38,6 +34,7 @@ from kvsidecar.daemon.registry import (
     check_epoch,
     host_buffer_set,
 )
+from kvsidecar.daemon.state import DaemonState
 from kvsidecar.memory import cuda_driver, open_handles
 from kvsidecar.memory.base import HandleError, MappedBuffer
 from kvsidecar.memory.cuda_ipc import IpcBackend
@@ -62,29 +59,44 @@ from kvsidecar.wire.types import BufferDescriptor, CudaVmmRef, ShmRef, WorkerRef
 log = logging.getLogger("kvsidecar.daemon")  # one logger for the whole daemon
 
 
-class Registration:
-    """Handlers of the registration commands and the release of workers (a `Daemon` mixin)."""
+class Registrations:
+    """Handlers of the registration commands, and the release of workers."""
 
-    # Owned and set by `Daemon`.
-    config: Config
-    registry: Registry
-    completions: CompletionService
-    observability: Observability
-    access: AccessControl
-    _executor: CopyExecutor | None
-    _pool: HostPool | None
-    _fd_server: FdChannelServer | None
-    _tasks: set[asyncio.Task[Any]]
-    _jobs: dict[asyncio.Future[Any], frozenset[Hashable]]
-    _epochs: itertools.count[int]
-    capabilities: tuple[str, ...] = ()
-    """What `_hello` announces; set at start-up from `daemon_capabilities`."""
-    cuda_backend: IpcBackend | None = None
-    """How CUDA IPC handles are opened (None: torch's); tests without a GPU set their own."""
-    daemon_id: str
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        *,
+        completions: CompletionService,
+        observability: Observability,
+        access: AccessControl,
+        executor: CopyExecutor,
+        pool: HostPool | None,
+        fd_server: FdChannelServer,
+        state: DaemonState,
+        daemon_id: str,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._completions = completions
+        self._observability = observability
+        self._access = access
+        self._executor = executor
+        self._pool = pool
+        self._fd_server = fd_server
+        self._state = state
+        self.daemon_id = daemon_id
+        """This daemon's identity in hello replies."""
+        # Epochs start at the start time in microseconds: unique across daemon restarts too.
+        self._epochs = itertools.count(time.time_ns() // 1000)
+        self.capabilities: tuple[str, ...] = daemon_capabilities()
+        """What `hello` announces."""
+        self.cuda_backend: IpcBackend | None = None
+        """How CUDA IPC handles are opened (None: torch's); tests without a GPU set their own."""
 
-    def _hello(self, req: Hello) -> HelloReply:
-        cfg = self.config
+    def hello(self, req: Hello) -> HelloReply:
+        """Answer ``hello``: what this daemon is, speaks and allows."""
+        cfg = self._config
         return HelloReply(
             id=req.id,
             protocol_version=PROTOCOL_VERSION,
@@ -93,28 +105,29 @@ class Registration:
             lease_s=cfg.lease_s,
             max_message_bytes=cfg.max_message_bytes,
             max_ids_per_command=cfg.max_ids_per_command,
-            metrics_port=self.observability.port,
+            metrics_port=self._observability.port,
             capabilities=list(self.capabilities),
             peer_endpoint=cfg.peer_endpoint,
             daemon_id=self.daemon_id,
         )
 
-    def _heartbeat(self, req: Heartbeat) -> Ok:
-        deadline = time.monotonic() + self.config.lease_s
-        workers = [self.registry.worker(ref) for ref in req.workers]  # all known, or none renewed
+    def heartbeat(self, req: Heartbeat) -> Ok:
+        """Renew the leases of every named worker, or of none (an unknown or stale one)."""
+        deadline = time.monotonic() + self._config.lease_s
+        workers = [self._registry.worker(ref) for ref in req.workers]  # all known, or none renewed
         for worker, epoch in zip(workers, req.epochs, strict=False):
             check_epoch(worker, epoch)  # a restarted worker's old heartbeat renews nothing
         for worker in workers:
             worker.lease_deadline = deadline
         return Ok(id=req.id)
 
-    def _grant(self, req: Grant, who: Principal) -> Ok:
+    def grant(self, req: Grant, who: Principal) -> Ok:
         """Let ``req.grantee`` use the owner's engine (read and/or write; see `access`)."""
-        self.registry.worker(req.owner)
+        self._registry.worker(req.owner)
         if not req.grantee:
             raise SidecarError("invalid_message", "grantee must not be empty")
-        owner = self.registry.engine(req.owner.engine_id)
-        self.access.grant(
+        owner = self._registry.engine(req.owner.engine_id)
+        self._access.grant(
             EngineId(owner.engine_id, owner.epoch),
             req.grantee,
             req.grantee_user or owner.owner,
@@ -123,15 +136,16 @@ class Registration:
         )
         return Ok(id=req.id)
 
-    async def _register(self, req: Register, who: Principal) -> Reply:
+    async def register(self, req: Register, who: Principal) -> Reply:
+        """Map a worker's layers (and reserve its host mirror); all or nothing."""
         ref = req.worker
-        if len(req.layers) > self.config.max_layers:
+        if len(req.layers) > self._config.max_layers:
             raise SidecarError(
                 "too_large",
-                f"{len(req.layers)} layers, more than max_layers {self.config.max_layers}",
+                f"{len(req.layers)} layers, more than max_layers {self._config.max_layers}",
             )
         _check_identity(req)
-        if ref in self.registry.workers:
+        if ref in self._registry.workers:
             raise SidecarError("already_registered", f"{ref.label()} is already registered")
         engine = self._engine_for(req, who)  # sizes checked: nothing allocated or mapped yet
         buffers, conn_id = await self._map_layers(req)
@@ -145,15 +159,15 @@ class Registration:
             if engine.host_blocks > 0:
                 host = self._mirror(ref, req, engine.host_blocks, who.user)
             # Checked again: another register of the same worker may have finished meanwhile.
-            if ref in self.registry.workers:
+            if ref in self._registry.workers:
                 raise SidecarError("already_registered", f"{ref.label()} is already registered")
-            existing = self.registry.engines.get(ref.engine_id)
+            existing = self._registry.engines.get(ref.engine_id)
             if existing is not None and existing is not engine:
                 self._check_engine_matches(existing, req)
                 engine = existing
             # Checked again now, with the registry as the worker joins it: the name may have
             # been taken by another user while the fds were awaited.
-            self.access.check_register(who, ref.engine_id)
+            self._access.check_register(who, ref.engine_id)
         except BaseException:
             for mapped in buffers:
                 mapped.close()
@@ -167,20 +181,20 @@ class Registration:
             dcp_size=req.dcp_size,
             device=device,
             host=host,
-            lease_deadline=time.monotonic() + self.config.lease_s,
+            lease_deadline=time.monotonic() + self._config.lease_s,
             fd_connection=conn_id,
             epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
         )
-        self.registry.add(engine, worker)
+        self._registry.add(engine, worker)
         engine_id = EngineId(engine.engine_id, engine.epoch)
         if existing is None:
-            self.access.engine_created(engine_id, engine.owner)
-        self.access.bind(who, ref, engine_id)
+            self._access.engine_created(engine_id, engine.owner)
+        self._access.bind(who, ref, engine_id)
         # completions + metrics: reports carry this registration's epoch; engine series at 0
-        epoch = self.completions.worker_registered(
+        epoch = self._completions.worker_registered(
             ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
         )
-        self.observability.engine_added(ref.engine_id)
+        self._observability.engine_added(ref.engine_id)
         log.info(
             "registered %s: %d layers, %d bytes, %d host blocks",
             ref.label(),
@@ -194,24 +208,24 @@ class Registration:
             num_layers=len(layers),
             nbytes=device.nbytes,
             host_blocks=engine.host_blocks if host is not None else 0,
-            lease_s=self.config.lease_s,
+            lease_s=self._config.lease_s,
             epoch=epoch,
         )
 
     def _engine_for(self, req: Register, who: Principal) -> Engine:
         """Return the engine the worker joins (or a new one); its mirror's size checked first."""
-        existing = self.registry.engines.get(req.worker.engine_id)
+        existing = self._registry.engines.get(req.worker.engine_id)
         if existing is not None:
             self._check_engine_matches(existing, req)
             self._check_mirror(req, existing.host_blocks, who.user)
             return existing
         if req.host_blocks < 0:
             raise SidecarError("invalid_message", "host_blocks must be >= 0")
-        if req.host_blocks > self.config.max_host_blocks:
+        if req.host_blocks > self._config.max_host_blocks:
             raise SidecarError(
                 "too_large",
                 f"host_blocks {req.host_blocks} is more than max_host_blocks "
-                f"{self.config.max_host_blocks}",
+                f"{self._config.max_host_blocks}",
             )
         self._check_mirror(req, req.host_blocks, who.user)
         return Engine(
@@ -269,7 +283,6 @@ class Registration:
 
     async def _take_fds(self, req: Register) -> tuple[Hashable, list[int]]:
         """Collect the fds sent under the registration's tokens, in order (the caller owns them)."""
-        assert self._fd_server is not None
         if not req.fd_token:
             raise SidecarError("handle_error", "shm and cuda_vmm layers need an fd_token")
         fds: list[int] = []
@@ -277,11 +290,11 @@ class Registration:
         try:
             for token in (req.fd_token, *req.fd_tokens):
                 try:
-                    conn, got = await self._fd_server.take(token, self.config.fd_wait_s)
+                    conn, got = await self._fd_server.take(token, self._config.fd_wait_s)
                 except (TimeoutError, asyncio.TimeoutError):
                     raise SidecarError(
                         "handle_error",
-                        f"no fds arrived on {self.config.fd_socket} for this registration",
+                        f"no fds arrived on {self._config.fd_socket} for this registration",
                     ) from None
                 except HandleError as exc:  # busy: refused or lost for lack of room, retry
                     raise SidecarError(
@@ -313,7 +326,7 @@ class Registration:
                 "pool_exhausted",
                 f"a host mirror of {need} bytes is larger than the pool ({pool.capacity_bytes})",
             )
-        quota = self.config.host_pool_user_bytes
+        quota = self._config.host_pool_user_bytes
         if quota and pool.used_by(user) + need > quota:
             raise SidecarError(
                 "pool_exhausted",
@@ -329,74 +342,69 @@ class Registration:
         descs = [(name, desc) for name, desc, _, _ in _mirror_layers(req, host_blocks)]
         return host_buffer_set(self._pool, (ref, "host"), descs, owner=user)
 
-    async def _unregister(self, req: Unregister) -> Reply:
-        await self._release(req.worker, "unregistered")
+    async def unregister(self, req: Unregister) -> Reply:
+        """Release a worker at its own request."""
+        await self.release(req.worker, "unregistered")
         return Ok(id=req.id)
 
-    async def _release(self, ref: WorkerRef, why: str) -> None:
+    async def release(self, ref: WorkerRef, why: str) -> None:
         """Forget a worker at once; close its mappings once no copy touches them (bounded)."""
-        engine = self.registry.engines.get(ref.engine_id)
-        worker = self.registry.remove(ref)
+        engine = self._registry.engines.get(ref.engine_id)
+        worker = self._registry.remove(ref)
         if worker is None or engine is None:
             return
         # completions + metrics: what waited for this worker completes (receiving: failed)
-        self.completions.worker_departed(ref, why)
-        if ref.engine_id not in self.registry.engines:
-            self.observability.engine_departed(ref.engine_id)
+        self._completions.worker_departed(ref, why)
+        if ref.engine_id not in self._registry.engines:
+            self._observability.engine_departed(ref.engine_id)
         # reliability + security: its queued copies fail now (worker_lost; running ones finish
         # on their thread and fail at the end), its connection binding and grants go.
-        for fut, refs in list(self._jobs.items()):
+        for fut, refs in list(self._state.jobs.items()):
             if ref in refs:
                 fut.cancel()
-        self.access.unbind(ref)
-        if ref.engine_id not in self.registry.engines:
-            self.access.drop_engine(EngineId(engine.engine_id, engine.epoch))
-        if self._executor is not None:
-            keys: set[Hashable] = {worker.device.key}
-            if worker.host is not None:
-                keys.add(worker.host.key)
-            closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._access.unbind(ref)
+        if ref.engine_id not in self._registry.engines:
+            self._access.drop_engine(EngineId(engine.engine_id, engine.epoch))
+        keys: set[Hashable] = {worker.device.key}
+        if worker.host is not None:
+            keys.add(worker.host.key)
+        closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-            def close() -> None:
-                # Run by the executor as the last copy on this worker ends: the mappings go in
-                # the same callback that takes the copy out of the in-flight count.
-                worker.close()
-                if not closed.done():
-                    closed.set_result(None)
+        def close() -> None:
+            # Run by the executor as the last copy on this worker ends: the mappings go in
+            # the same callback that takes the copy out of the in-flight count.
+            worker.close()
+            if not closed.done():
+                closed.set_result(None)
 
-            self._executor.when_idle(keys, close)
-            try:
-                await asyncio.wait_for(asyncio.shield(closed), self.config.drain_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning(
-                    "%s: copies still running at release; views keep them safe", ref.label()
-                )
+        self._executor.when_idle(keys, close)
+        try:
+            await asyncio.wait_for(asyncio.shield(closed), self._config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s: copies still running at release; views keep them safe", ref.label())
         worker.close()  # idempotent
         log.info("released %s (%s)", ref.label(), why)
 
-    def _on_fd_close(self, conn: FdConnection) -> None:
+    def on_fd_close(self, conn: FdConnection) -> None:
         """Release the workers of an fd connection whose process exited (or closed it)."""
-        for ref, worker in list(self.registry.workers.items()):
+        for ref, worker in list(self._registry.workers.items()):
             if worker.fd_connection == conn.id:
-                self._spawn(self._release(ref, f"fd channel closed (pid {conn.cred.pid})"))
+                self._state.spawn(self.release(ref, f"fd channel closed (pid {conn.cred.pid})"))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _lease_loop(self) -> None:
-        period = min(1.0, self.config.lease_s / 4)
+    async def lease_loop(self) -> None:
+        """Release the workers whose lease ran out, until cancelled."""
+        period = min(1.0, self._config.lease_s / 4)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for ref, worker in list(self.registry.workers.items()):
+            for ref, worker in list(self._registry.workers.items()):
                 if worker.lease_deadline < now:
-                    self.observability.lease_expired(ref.engine_id)
-                    self._spawn(self._release(ref, "lease expired"))
+                    self._observability.lease_expired(ref.engine_id)
+                    self._state.spawn(self.release(ref, "lease expired"))
 
 
-def _check_version(version: int) -> None:
+def check_version(version: int) -> None:
+    """Refuse a client that speaks another protocol version (``version_mismatch``)."""
     if version != PROTOCOL_VERSION:
         raise SidecarError(
             "version_mismatch",

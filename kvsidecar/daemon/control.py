@@ -1,33 +1,44 @@
-"""The daemon's control socket edge: read requests, decode and check them, send replies.
+"""The daemon's control socket: read requests, check them once, route them, send every reply.
 
-The ROUTER socket is a plain pyzmq socket read from a loop reader callback on its fd (an awaited
-``recv_multipart`` per request costs a future and a task step, a good part of a short command's
-round trip). Each request is size-checked, decoded into the `Request` union, checked for its data
-frames and its sender's rights (`kvsidecar.daemon.access.authorize`), then handed to the
-daemon's ``_dispatch``. Replies go out through `Edge._send`, from the loop or from a copy thread
-(the socket is shared under a lock; `ReplyTo` makes sure a request is answered exactly once).
-
-A mixin of `kvsidecar.daemon.server.Daemon`, which owns the state declared below.
+`ControlSocket` owns the ROUTER. It is a plain pyzmq socket read from a loop reader callback on
+its fd (an awaited ``recv_multipart`` per request costs a future and a task step, a good part of
+a short command's round trip). Each request is size-checked, decoded once into the `Request`
+union, checked for its data frames and its sender's rights (`kvsidecar.daemon.access.authorize`),
+then handed with its `ReplyTo` to the route given at construction
+(`kvsidecar.daemon.dispatch.Router.dispatch`). Every reply goes out through `ControlSocket.send`,
+from the loop or from a copy thread (the socket is shared under a lock); `ReplyTo` makes sure a
+request is answered exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from kvsidecar.daemon.access import AccessControl, Principal, authorize
-from kvsidecar.daemon.commands import reply_of
+from kvsidecar.daemon.auth import (
+    CONTROL_DOMAIN,
+    ZapHandler,
+    close_zap_and_context,
+    control_transport,
+    secure_server_socket,
+)
 from kvsidecar.daemon.config import Config
+from kvsidecar.daemon.connections import ConnectionCount
 from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
 from kvsidecar.daemon.observability import Observability
 from kvsidecar.daemon.replies import ReplyBudget
+from kvsidecar.daemon.runner import reply_of
+from kvsidecar.daemon.state import DaemonState
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore
@@ -70,10 +81,15 @@ _Frames = list[zmq.Frame]
 _BURST = 64
 """Requests served per reader callback before yielding to the loop (bounded work per turn)."""
 
-Dispatched = tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply]
-"""What ``_dispatch`` returns: an inline reply and its data frames, a coroutine run as a task,
-or a future (a peer pull's reply, or a copy job's outcome that answers through its `ReplyTo`)."""
+Dispatched = (
+    tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply] | None
+)
+"""What a route returns: an inline reply and its data frames, a coroutine run as a task, a
+future (a peer pull's reply, or a copy job's outcome that answers through its `ReplyTo`), or
+None: answered already."""
 
+Route = Callable[[Request, list[memoryview], "ReplyTo", Principal], Dispatched]
+"""Who answers a checked request (`kvsidecar.daemon.dispatch.Router.dispatch`)."""
 
 NOBODY = Principal(frozenset(), admin=False, user="")
 """The principal handed on with requests that need no rights (hello, status, heartbeat)."""
@@ -87,8 +103,7 @@ OPEN = (Hello, Status, Heartbeat)
 ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 """Requests run as copy jobs, which answer through their `ReplyTo` themselves.
 
-Tuples, not unions, for ``isinstance``: a union is built anew at each call (about twice the
-cost, measured)."""
+Tuples, not unions, for ``isinstance``: a union is built anew at each call."""
 
 
 def _no_room(size: int, limit: int) -> str:
@@ -102,44 +117,37 @@ def _no_room(size: int, limit: int) -> str:
 class ReplyTo:
     """Where one request's reply goes: sent once, from the loop or from a copy thread.
 
-    The `kvsidecar.daemon.commands.ReplySink` of a request. A copy thread and the loop may both
-    try to answer (a move that finished just as its worker was released); a lock decides who
-    does, and what was sent stays readable so that the loop's bookkeeping matches what the
-    client got.
+    The `kvsidecar.daemon.runner.Answer` of a request. A copy thread and the loop may both try to
+    answer (a move that finished just as its worker was released); a lock decides who does, and
+    what was sent stays readable so that the loop's bookkeeping matches what the client got.
     """
 
-    __slots__ = (
-        "_claimed",
-        "_command",
-        "_daemon",
-        "_ident",
-        "_lock",
-        "_sent",
-        "_started",
-        "user",
-    )
+    __slots__ = ("_claimed", "_command", "_control", "_ident", "_lock", "_sent", "_started", "user")
 
     def __init__(
-        self, daemon: Edge, ident: bytes, command: str, started: float, user: str = ""
+        self, control: ControlSocket, ident: bytes, command: str, started: float, user: str = ""
     ) -> None:
-        self._daemon, self._ident, self._command, self._started = daemon, ident, command, started
+        self._control, self._ident, self._command, self._started = control, ident, command, started
         self.user = user
         """The sender's transport user (``uid:<n>``, ``curve:<key>``, ``insecure``)."""
         self._lock = threading.Lock()
         self._claimed = False
         self._sent: Reply | None = None
 
-    def send(self, reply: Reply, *, from_thread: bool = False, early: bool = False) -> bool:
-        """Send ``reply`` unless the reply is claimed already; True if this call sent it.
-
-        ``early`` is welcome: nothing in a request's reply waits for the loop's bookkeeping.
-        """
+    def send(self, reply: Reply, *, from_thread: bool = False) -> bool:
+        """Send ``reply`` unless the reply is claimed already; True if this call sent it."""
         with self._lock:
             if self._claimed:
                 return False
             self._claimed = True
             self._sent = reply
-        self._deliver(reply, from_thread)
+        self._control.send(
+            self._ident,
+            reply,
+            command=self._command,
+            started=self._started,
+            from_thread=from_thread,
+        )
         return True
 
     def claim(self) -> Reply | None:
@@ -152,68 +160,107 @@ class ReplyTo:
 
     def deliver(self, reply: Reply) -> None:
         """Send the reply that `claim` reserved (on the event loop)."""
-        self._deliver(reply, False)
+        self._control.send(self._ident, reply, command=self._command, started=self._started)
 
-    def _deliver(self, reply: Reply, from_thread: bool) -> None:
-        self._daemon._send(
-            self._ident,
-            reply,
-            command=self._command,
-            started=self._started,
-            from_thread=from_thread,
+
+class ControlSocket:
+    """The control ROUTER: bound behind ZAP, read from the loop, every reply sent through it."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        access: AccessControl,
+        observability: Observability,
+        reply_budget: ReplyBudget,
+        executor: CopyExecutor,
+        state: DaemonState,
+    ) -> None:
+        self._config = config
+        self._access = access
+        self._observability = observability
+        self._reply_budget = reply_budget
+        self._executor = executor
+        self._state = state
+        self._route: Route | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._lock = threading.Lock()
+        """Held around every use of ``_sock``: copy threads send replies on it too (`ReplyTo`)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._decoder = msgspec.msgpack.Decoder(Request)
+        self._envelope = msgspec.msgpack.Decoder(Envelope)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.errors_total = 0
+        """Error replies sent (``status``)."""
+        self._read_scheduled = False
+        """A call of `_on_readable` is queued on the loop (never more than one)."""
+        self._drained = False
+        """The last reply sent from the loop found no request waiting (and re-armed the edge)."""
+        self.bound = False
+        """True once the socket is bound (shutdown removes an ipc path only then)."""
+        self.insecure = False
+        """The endpoint is plain tcp (``insecure``); exported as a metric."""
+        self.zap: ZapHandler | None = None
+        """Authenticates connections (peer uid on ipc, CURVE key on tcp); set by `bind`."""
+        self.connections: ConnectionCount | None = None
+        """Connections per peer and in total, admitted by ZAP; set by `bind`."""
+
+    def bind(self) -> None:
+        """Start ZAP, then bind the ROUTER behind it, with its connection limits."""
+        config = self._config
+        transport = control_transport(config)  # ConfigError on bad key files
+        self.insecure = transport.insecure
+        self._ctx = zmq.asyncio.Context()
+        self.zap = ZapHandler(self._ctx)
+        self.zap.policies[CONTROL_DOMAIN] = transport.policy
+        self.zap.start()  # before bind: the socket refuses connections nobody vouches for
+        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_server_socket(sock, domain=CONTROL_DOMAIN, keys=transport.keys)
+        # Hard ceiling enforced by libzmq itself (the peer is disconnected); below it, oversize
+        # requests get a typed too_large reply from `_on_message`.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+        zmqio.bind_or_close(sock, config.endpoint, "control endpoint")
+        self.bound = True  # from here on the ipc socket file is ours to remove
+        if config.ipc_path is not None:
+            os.chmod(config.ipc_path, 0o600)
+        self._sock = sock
+        self.connections = ConnectionCount(
+            sock, max_total=config.max_connections, max_per_peer=config.max_connections_per_peer
         )
+        self.zap.admission[CONTROL_DOMAIN] = self.connections.admit
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the socket is bound and not closed yet."""
+        return self._sock is not None
 
-class Edge:
-    """Reading, checking and answering requests on the control socket (a `Daemon` mixin)."""
-
-    # Owned and set by `Daemon`.
-    config: Config
-    access: AccessControl
-    observability: Observability
-    reply_budget: ReplyBudget
-    draining: bool
-    errors_total: int
-    _sock: zmq.Socket[Any] | None
-    _sock_lock: threading.Lock
-    _loop: asyncio.AbstractEventLoop | None
-    _executor: CopyExecutor | None
-    _tasks: set[asyncio.Task[Any]]
-    _replies: set[asyncio.Future[Reply]]
-    _decoder: msgspec.msgpack.Decoder[Request]
-    _envelope: msgspec.msgpack.Decoder[Envelope]
-    _encoder: msgspec.msgpack.Encoder
-
-    _read_scheduled = False
-    """A call of `_on_readable` is queued on the loop (never more than one: `_schedule_read`)."""
-    _drained = False
-    """The last reply sent from the loop found no request waiting (and re-armed the fd's edge)."""
-
-    def _dispatch(
-        self, req: Request, data: list[memoryview], reply_to: ReplyTo, who: Principal
-    ) -> Dispatched:
-        raise NotImplementedError  # the daemon's
-
-    def _serve_short(self, frames: _Frames) -> bool:
-        """Answer a short plain move in one step, or False (`kvsidecar.daemon.short_moves`)."""
-        return False  # the daemon's `ShortMoves` answers them
-
-    async def _recv_loop(self) -> None:
-        """Serve requests until cancelled.
-
-        The socket is read from a loop reader callback on its fd rather than with an awaited
-        ``recv_multipart`` per request: that costs a future and a task step per request, a good
-        part of a short command's round trip.
-        """
+    async def serve(self, route: Route) -> None:
+        """Answer requests through ``route`` until cancelled."""
         assert self._sock is not None
+        self._route = route
+        self._loop = asyncio.get_running_loop()
         await zmqio.serve_readable(self._sock, self._on_readable, self._schedule_read)
+
+    async def close(self) -> None:
+        """Close the connection count, the socket, ZAP and the context; safe to call again."""
+        if self.connections is not None:
+            await self.connections.close()
+            self.connections = None
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+        await close_zap_and_context(self.zap, self._ctx)
+        self.zap, self._ctx = None, None
 
     def _schedule_read(self, *, from_thread: bool = False) -> None:
         """Queue one `_on_readable` on the loop unless one is queued already.
 
         Several reasons to read again come up in one turn (each reply sent may swallow the fd's
-        edge, a burst may end with requests waiting): one queued read serves them all. Queuing
-        one per reason let a client that sends without reading multiply them turn after turn,
+        edge, a burst may end with requests waiting): one queued read serves them all. One per
+        reason would let a client that sends without reading multiply them turn after turn,
         until the loop spent whole seconds per turn and starved timers, ZAP and the fd channel.
         """
         if self._read_scheduled:
@@ -226,7 +273,7 @@ class Edge:
 
     def _on_readable(self) -> None:
         # The fd is edge-triggered: it signals again only once ZMQ_EVENTS has reported nothing
-        # left to read (and `_send` re-checks after each send, which may swallow the edge). A
+        # left to read (and `send` re-checks after each send, which may swallow the edge). A
         # burst is served in slices so that other callbacks (copy completions, the fd channel,
         # ZAP, timers) run in between; libzmq's fair queueing takes one request per connection
         # in turn, so one client's backlog does not delay another's requests by more than that.
@@ -234,26 +281,25 @@ class Edge:
         # returns at once: that check re-armed the edge, and asking again would cost another
         # option read and receive attempt per request.
         self._read_scheduled = False
-        lock = self._sock_lock
+        lock = self._lock
+        settle = self._executor.settle_finished
         for _ in range(_BURST):
             with lock:
                 sock = self._sock
                 frames = None if sock is None else zmqio.try_recv(sock)
             if frames is None:
                 return
-            if self._executor is not None:  # moves answered from copy threads are settled first
-                self._executor.settle_finished()
+            settle()  # moves answered from copy threads are settled before any later request
             self._drained = False
             try:
-                if not self._serve_short(frames):
-                    self._on_message(frames)
+                self._on_message(frames)
             except Exception:  # a bug must not stop the daemon serving everyone else
                 log.exception("unhandled error on a request")
             if self._drained:
                 return
         self._schedule_read()
 
-    def _send(
+    def send(
         self,
         ident: bytes,
         reply: Reply,
@@ -264,16 +310,17 @@ class Edge:
         from_thread: bool = False,
     ) -> None:
         """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
-        # The daemon's encoder on the loop; msgspec's module-level one on a copy thread.
+        # The socket's encoder on the loop; msgspec's module-level one on a copy thread.
         header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
         size = len(header) + sum(memoryview(f).nbytes for f in data) if data else len(header)
         large = size >= zmqio.COPY_BELOW  # sent zero-copy: held until libzmq lets go of it
-        if large and not self.reply_budget.take(size):
-            reply = Error(id=reply.id, code="busy", message=_no_room(size, self.reply_budget.limit))
+        budget = self._reply_budget
+        if large and not budget.take(size):
+            reply = Error(id=reply.id, code="busy", message=_no_room(size, budget.limit))
             header, data, large = msgspec.msgpack.encode(reply), (), False
         if isinstance(reply, Error):
             self.errors_total += 1
-        with self._sock_lock:
+        with self._lock:
             sock = self._sock
             trackers: list[zmq.MessageTracker] = []
             try:
@@ -287,12 +334,12 @@ class Edge:
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
                 if large:
-                    self.reply_budget.give_back(size)
+                    budget.give_back(size)
                 trackers, large, pending = [], False, False
         if large:
-            self.reply_budget.track(trackers, size)
+            budget.track(trackers, size)
         if command:  # metrics, once the reply is out: every answered command, with its latency
-            self.observability.command(command, reply, started)
+            self._observability.command(command, reply, started)
         if pending:
             self._schedule_read(from_thread=from_thread)
         elif not from_thread:
@@ -315,7 +362,7 @@ class Edge:
                 raise SidecarError(
                     "too_large",
                     f"request of {total} bytes (header {size}); limits "
-                    f"{self.config.max_message_bytes} and {self.config.max_header_bytes}",
+                    f"{self._config.max_message_bytes} and {self._config.max_header_bytes}",
                 )
             request = self._decode(header)
             request_id = request.id
@@ -326,55 +373,52 @@ class Edge:
                     "bad_frame",
                     f"{type(request).__name__} carries {want} data frames, got {len(body) - 1}",
                 )
-            if self.draining and not isinstance(request, Status):
+            if self._state.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
-            if isinstance(request, BULKY) and not self.reply_budget.has_room():
+            if isinstance(request, BULKY) and not self._reply_budget.has_room():
                 # Refused before it runs: a collect or take_peer_events must not consume what
                 # its reply would then have to drop.
-                raise SidecarError("busy", _no_room(0, self.reply_budget.limit))
-            # security: forbidden before anything is done; these three are anyone's
+                raise SidecarError("busy", _no_room(0, self._reply_budget.limit))
             who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
             if not isinstance(request, OPEN):
                 who = self._principal(ident, body[0])
-                authorize(self.access, who, request)
+                authorize(self._access, who, request)  # forbidden before anything is done
             reply_to = ReplyTo(self, ident, command, started, who.user)
-            result = self._dispatch(request, [f.buffer for f in body[1:]], reply_to, who)
+            assert self._route is not None
+            result = self._route(request, [f.buffer for f in body[1:]], reply_to, who)
         except SidecarError as exc:
             rid = request_id or exc.request_id
-            self._send(
+            self.send(
                 ident,
                 Error(id=rid, code=exc.code, message=exc.message),
                 command=command,
                 started=started,
             )
             return
+        if result is None:  # answered already
+            return
         if isinstance(result, tuple):
             reply, data = result
-            self._send(ident, reply, data, command=command, started=started)
+            self.send(ident, reply, data, command=command, started=started)
         elif isinstance(result, asyncio.Future):
-            # answered by `Commands._run_job` (already, when the job ran inline)
-            if isinstance(request, ANSWERED_BY_JOB):
-                if not result.done():
-                    self._replies.add(result)
-                    result.add_done_callback(self._replies.discard)
+            if isinstance(request, ANSWERED_BY_JOB):  # by `JobRunner.run`, perhaps already
+                self._state.hold_reply(result)
                 return
-            self._replies.add(result)
+            self._state.replies.add(result)
 
             def answer(outcome: asyncio.Future[Reply]) -> None:
-                self._replies.discard(outcome)
+                self._state.replies.discard(outcome)
                 reply_to.send(reply_of(outcome, request_id))
 
             result.add_done_callback(answer)
         else:
-            task = asyncio.create_task(
+            self._state.spawn(
                 self._finish(ident, request_id, result, command=command, started=started)
             )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     def _too_large(self, header_bytes: int, total_bytes: int) -> bool:
         """Whether a request's header or whole size is over the limits (``too_large``)."""
-        config = self.config
+        config = self._config
         return header_bytes > config.max_header_bytes or total_bytes > config.max_message_bytes
 
     def _principal(self, ident: bytes, frame: zmq.Frame) -> Principal:
@@ -382,7 +426,7 @@ class Edge:
             user = frame.get("User-Id")
         except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
             user = ""
-        return self.access.principal(ident, str(user))
+        return self._access.principal(ident, str(user))
 
     def _peek_id(self, header: memoryview) -> int:
         try:
@@ -420,7 +464,7 @@ class Edge:
         except SidecarError as exc:
             reply = Error(id=request_id, code=exc.code, message=exc.message)
         except asyncio.CancelledError:
-            self._send(
+            self.send(
                 ident,
                 Error(id=request_id, code="shutting_down", message="cancelled by shutdown"),
                 command=command,
@@ -430,4 +474,4 @@ class Edge:
         except Exception as exc:
             log.exception("request %d failed", request_id)
             reply = Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
-        self._send(ident, reply, command=command, started=started)
+        self.send(ident, reply, command=command, started=started)
