@@ -1,7 +1,7 @@
 """``bench aggregator --processes``: completion aggregation across processes, and metrics cost.
 
-The multi-process half of the aggregator benchmark (``benchmarks/bench_aggregator.py`` prints it
-as its own table; `run` gives it to ``kvsidecar bench aggregator --processes`` as figures):
+The multi-process half of the aggregator benchmark; `run` gives it to ``kvsidecar bench
+aggregator --processes`` as figures:
 
 1. ``in-process``: `CompletionAggregator.aggregate` alone: 8 workers, each step every worker names
    ``ids`` requests; request completions per second (a request completes once all 8 named it).
