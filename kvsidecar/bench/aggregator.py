@@ -12,7 +12,7 @@ every worker reports ``ids`` finished requests (the same ids for all 8, so each 
 - in process: `CompletionAggregator.aggregate` of the same reports.
 
 With ``--processes``, also the multi-process workload of `kvsidecar.bench.aggregator_procs`
-(8 worker processes against raw zmq, the metrics-scrape cost; ``benchmarks/bench_aggregator.py``).
+(8 worker processes against raw zmq, the metrics-scrape cost).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``bench aggregator --processes``: completion aggregation across processes, and metrics cost.
 
-The multi-process half of the aggregator benchmark (``benchmarks/bench_aggregator.py`` prints it
-as its own table; `run` gives it to ``kvsidecar bench aggregator --processes`` as figures):
+The multi-process half of the aggregator benchmark; `run` gives it to ``kvsidecar bench
+aggregator --processes`` as figures:
 
 1. ``in-process``: `CompletionAggregator.aggregate` alone: 8 workers, each step every worker names
    ``ids`` requests; request completions per second (a request completes once all 8 named it).
@@ -142,29 +142,9 @@ def worker_main(spec: dict[str, Any]) -> None:
     client.close()
 
 
-def echo_main(endpoint: str, use_asyncio: bool) -> None:
-    """Serve a bare ROUTER answering every message with a small reply, until killed.
-
-    ``use_asyncio``: the daemon's own pattern (zmq.asyncio on uvloop, one recv loop) instead of
-    a blocking loop, so that the comparison isolates what the daemon does per message.
-    """
+def echo_main(endpoint: str) -> None:
+    """Serve a bare blocking ROUTER answering every message with a small reply, until killed."""
     reply = b"\x82\xa4type\xa8reported\xa2id\x01"
-    if use_asyncio:
-        import uvloop
-        from zmq import asyncio as zasyncio
-
-        async def serve() -> None:
-            actx = zasyncio.Context()
-            asock = actx.socket(zmq.ROUTER)
-            asock.setsockopt(zmq.LINGER, 0)
-            asock.bind(endpoint)
-            print("ready", flush=True)
-            while True:
-                ident, _ = await asock.recv_multipart(copy=False)
-                asock.send_multipart([ident, reply], copy=False)
-
-        uvloop.run(serve())
-        return
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -285,13 +265,13 @@ def bench_daemon_reps(steps: int, ids: int, reps: int) -> list[float]:
     return [bench_daemon(steps, ids) for _ in range(reps)]
 
 
-def bench_raw(steps: int, ids: int, reps: int, use_asyncio: bool) -> list[float]:
+def bench_raw(steps: int, ids: int, reps: int) -> list[float]:
     """Report messages per second (as request completions) over bare DEALER/ROUTER."""
     rates = []
     runtime = tempfile.mkdtemp(prefix="kvsbr-", dir="/tmp")
     endpoint = f"ipc://{runtime}/echo.sock"
     try:
-        with children([["--echo", endpoint, *(["--asyncio"] if use_asyncio else [])]]):
+        with children([["--echo", endpoint]]):
             for _ in range(reps):
                 spec = {"endpoint": endpoint, "steps": steps, "ids": ids, "mode": "raw"}
                 specs = [["--worker", json.dumps({**spec, "rank": r})] for r in range(WORKERS)]
@@ -343,7 +323,7 @@ def run(opts: Options, ids: int = 16) -> list[Figure]:
     steps, reps, move_seconds = (200, 2, 1.0) if opts.quick else (1000, opts.repeat, 3.0)
     note(f"aggregator --processes: {WORKERS} worker processes, {steps} steps, {reps} runs")
     via_daemon = bench_daemon_reps(steps, ids, reps)
-    raw = bench_raw(steps, ids, reps, use_asyncio=False)
+    raw = bench_raw(steps, ids, reps)
     inproc = [bench_in_process(steps, ids) for _ in range(reps)]
     metrics = bench_metrics(32, move_seconds, reps)
     group = f"aggregator: {WORKERS} worker processes, {ids} ids per report"
@@ -376,16 +356,15 @@ def run(opts: Options, ids: int = 16) -> list[Figure]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the child processes: ``--worker SPEC`` or ``--echo ENDPOINT [--asyncio]``."""
+    """Entry point of the child processes: ``--worker SPEC`` or ``--echo ENDPOINT``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker")
     parser.add_argument("--echo")
-    parser.add_argument("--asyncio", action="store_true")
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(json.loads(args.worker))
     elif args.echo:
-        echo_main(args.echo, args.asyncio)
+        echo_main(args.echo)
 
 
 if __name__ == "__main__":

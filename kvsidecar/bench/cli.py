@@ -1,7 +1,7 @@
 """``kvsidecar bench``: the argument parser and the runner behind the subcommand.
 
 Kept apart from `kvsidecar.cli` so that the daemon's command line imports nothing of the
-benchmarks (no torch at parse time), and so that ``benchmarks/*.py`` can share the options.
+benchmarks (no torch at parse time).
 """
 
 from __future__ import annotations

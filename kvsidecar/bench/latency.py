@@ -18,7 +18,7 @@ With ``--pin`` every server (the daemon and both echoes) runs on the first CPU t
 use and the benchmark itself, the client, on the second, the same for all. Unpinned, the 2-vCPU
 VMs' scheduler places the client's, the server's and libzmq's I/O threads differently from one
 round to the next, and a round of the same method takes ~125 or ~225 µs depending on where they
-landed (`benchmarks/probe_placement.py`, docs/benchmarks.md).
+landed (`benchmarks/probes/probe_placement.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

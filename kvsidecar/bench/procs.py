@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,7 +61,6 @@ def daemon(
     host_pool_bytes: int = 0,
     peer_data_plane: str = "zmq",
     checkout: str | None = None,
-    launcher: Sequence[str] = (),
     **settings: Any,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``kvsidecar serve`` in its own process and runtime dir; yields (control endpoint, process).
@@ -70,8 +69,6 @@ def daemon(
     booleans ``--flag`` / ``--no-flag``).
     ``checkout``: serve the kvsidecar of that source tree instead of this process's own (an
     A/B of two commits, `benchmarks/ab_blocking_move.py`).
-    ``launcher``: a script and its arguments that run ``kvsidecar.cli`` in place of
-    ``-m kvsidecar.cli`` (a probe that times the daemon's steps, `benchmarks/probe_move_steps.py`).
     The daemon's log is printed on stderr if it exits with an error.
     """
     runtime = tempfile.mkdtemp(prefix="kvsb-", dir="/tmp")  # short: ipc paths have a limit
@@ -85,7 +82,7 @@ def daemon(
         "peer_data_plane": peer_data_plane,
         **settings,
     }
-    argv = [sys.executable, *(launcher or ("-m", "kvsidecar.cli")), "serve"]
+    argv = [sys.executable, "-m", "kvsidecar.cli", "serve"]
     for key, value in flags.items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):  # BooleanOptionalAction flags take no value

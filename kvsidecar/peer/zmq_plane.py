@@ -45,7 +45,7 @@ _geometries: weakref.WeakKeyDictionary[LayerBuffer, list[tuple[int, int, int, in
 FEW_RANGES = 16
 """A read of at most this many ranges is checked with plain ints (`_check_few`), a larger one
 with numpy (`_check_many`): for the few ranges of a chunk of long runs, numpy's per-call cost
-was most of the producer's check (43 µs for 4 ranges, `benchmarks/probe_producer_chunk.py`)."""
+was most of the producer's check (`benchmarks/probes/probe_producer_chunk.py`)."""
 
 
 def as_bytes(layer: LayerBuffer) -> npt.NDArray[np.uint8]:
@@ -70,7 +70,7 @@ the producer sends one frame per requested range, whatever its length."""
 
 PACK_BELOW = 256 << 10
 """A reply is packed when its ranges average fewer bytes than this (`packable`). Measured with
-`benchmarks/probe_producer_chunk.py`: a 4 MiB chunk of 128 single 32 KiB blocks cost the
+`benchmarks/probes/probe_producer_chunk.py`: a 4 MiB chunk of 128 single 32 KiB blocks cost the
 producer 1.9-2.2 ms of CPU as 128 frames against 0.8-0.9 ms for 4 frames of 1 MiB, nearly all
 of the difference in ZeroMQ's I/O thread, one ``send`` per frame."""
 

@@ -1,10 +1,9 @@
 """Probe: a blocking client's 1-block move and a blocking echo, by where the threads run.
 
-On the 2-vCPU VMs the round trip of the same call changes with the CPUs the scheduler gives
-the client, the server and their libzmq I/O threads: unpinned, batches of 100 blocking 1-block
-moves take ~125 or ~225 µs (p50) and stay in one mode for a while. This probe times batches of
-the daemon's blocking move (1 layer) and of a raw blocking echo of the same frames, in turns,
-four ways:
+On a small VM the round trip of the same call changes with the CPUs the scheduler gives the
+client, the server and their libzmq I/O threads: unpinned, batches of 100 blocking 1-block moves
+can switch between a fast and a slow mode. This probe times batches of the daemon's blocking
+move (1 layer) and of a raw blocking echo of the same frames, in turns, four ways:
 
 - ``free``: nothing pinned (the scheduler decides);
 - ``servers``: the daemon and the echo server on the first CPU, this client anywhere (what an
@@ -15,7 +14,7 @@ four ways:
 
 For each it prints the median of the batches' p50s, their ratio and the batches themselves.
 
-    .venv/bin/python benchmarks/probe_placement.py [--batches 10]
+    .venv/bin/python benchmarks/probes/probe_placement.py [--batches 10]
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvsidecar.bench import procs
 from kvsidecar.bench.common import Options
@@ -52,7 +51,7 @@ def p50(fn: Callable[[], object], n: int = 100) -> float:
 
 
 def main() -> None:
-    """Start a daemon and a blocking echo server, time the three placements, print a table."""
+    """Start a daemon and a blocking echo server, time the four placements, print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=10)
     args = parser.parse_args()

@@ -4,15 +4,15 @@ Why `kvsidecar.daemon.executor.CopyExecutor` runs its own threads fed from a `Si
 uvloop process hands a no-op job to another thread and awaits the result, ``--n`` times per
 method, the methods taking turns in batches:
 
-- ``ThreadPoolExecutor``: ``pool.submit`` plus ``call_soon_threadsafe`` back (the executor's
-  pattern before 2026-11-29);
+- ``ThreadPoolExecutor``: ``pool.submit`` plus ``call_soon_threadsafe`` back (the standard
+  library's way);
 - ``SimpleQueue thread``: a dedicated thread blocked on ``SimpleQueue.get``;
 - ``CopyExecutor.submit``: the daemon's executor itself, hazard bookkeeping included;
 - ``loop only``: a future resolved by ``call_soon``, the floor without any thread.
 
 Prints each method's median and p90 in µs.
 
-    .venv/bin/python benchmarks/probe_handoff.py [--n 3000]
+    .venv/bin/python benchmarks/probes/probe_handoff.py [--n 3000]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import uvloop

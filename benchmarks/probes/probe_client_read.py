@@ -6,14 +6,14 @@ of doing one ``status`` round trip against the same daemon, in turns of ``--batc
 
 - ``zmq.asyncio, awaited``: ``await send_multipart``; ``await recv_multipart`` (the echo
   baseline's pattern);
-- ``zmq.asyncio, read by a task``: a reader task resolves a future per request (the client's
-  pattern before 2026-11-29);
-- ``reader callback``: a plain socket, ``loop.add_reader`` on its ZMQ_FD (the pattern now used);
+- ``zmq.asyncio, read by a task``: a reader task resolves a future per request (the usual shape
+  of a zmq.asyncio client);
+- ``reader callback``: a plain socket, ``loop.add_reader`` on its ZMQ_FD (the client's pattern);
 - ``AsyncSidecarClient.status()``: the client itself (its request building and checks included).
 
 Prints the median over rounds of each round's p50, and the ratio to the first method.
 
-    .venv/bin/python benchmarks/probe_client_read.py [--rounds 20] [--batch 20]
+    .venv/bin/python benchmarks/probes/probe_client_read.py [--rounds 20] [--batch 20]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -43,7 +44,7 @@ async def _probe(endpoint: str, rounds: int, batch: int) -> dict[str, float]:
     ctx = zmq.asyncio.Context()
     client = AsyncSidecarClient(endpoint, heartbeat=False, context=ctx)
     await client.start()
-    request = [client._codec.encoder.encode(Status(id=1))]  # the very bytes the client sends
+    request = [msgspec.msgpack.encode(Status(id=1))]  # the bytes the client sends
     awaited, tasked = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     plain: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     for sock in (awaited, tasked, plain):

@@ -13,7 +13,7 @@ One blocking DEALER per server sends the three frames of a move request; the ser
 in rounds of 300 round trips; prints the median of the rounds' p50s and its ratio to the blocking
 echo.
 
-    .venv/bin/python benchmarks/probe_echo_servers.py [--rounds 12]
+    .venv/bin/python benchmarks/probes/probe_echo_servers.py [--rounds 12]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def serve(mode: str, endpoint: str) -> None:

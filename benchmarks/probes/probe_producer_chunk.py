@@ -2,7 +2,7 @@
 
 One daemon with a loopback peer endpoint serves `ReadBlocks` chunks to a raw DEALER in this
 process, which keeps ``--window`` chunks outstanding and drops the replies unread (ZeroMQ
-receives them; nothing is copied into a destination). Two chunk shapes, like the plane's:
+receives them; nothing is copied into a destination). Three chunk shapes, like the plane's:
 
 - ``contiguous``: 4 ranges of 1 MiB (a 4 MiB chunk of a layer's K half, contiguous block ids);
 - ``random``: 128 ranges of one 32 KiB block each (a 4 MiB chunk of random block ids);
@@ -12,9 +12,9 @@ receives them; nothing is copied into a destination). Two chunk shapes, like the
 For each it prints the producer's CPU per chunk, all threads and its event-loop thread apart
 (from ``/proc``, over ``--chunks`` chunks), and the chunks served per second. The figure is
 the daemon's own cost of serving reads, which the consumer's daemon and the network share the
-machine with in a real pull (docs/benchmarks.md, round 4).
+machine with in a real pull.
 
-    .venv/bin/python benchmarks/probe_producer_chunk.py [--chunks 4000] [--runs 3]
+    .venv/bin/python benchmarks/probes/probe_producer_chunk.py [--chunks 4000] [--runs 3]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import msgspec
 import numpy as np
