@@ -162,8 +162,6 @@ class SchedulerSide:
         self.lookups.clear()
         log.info("kvsidecar: cache reset: namespace %s from now on", self.fingerprint)
 
-    # ------------------------------------------------------------------ admission
-
     def may_load_async(self, request: RequestView) -> bool:
         """Whether `lookup` may answer an asynchronous load for this request (cheap)."""
         params = request.kv_transfer_params
@@ -340,8 +338,6 @@ class SchedulerSide:
             # vLLM waits for an async one (the lookup said so): it must be reported received.
             failed = LoadSpec(rid, [], blocks, asynchronous=self.settings.async_loads)
             self._next.failed_loads.append(failed)
-
-    # ------------------------------------------------------------------ steps
 
     def build(
         self, scheduled: Sequence[Scheduled], preempted: Sequence[str], finished: Sequence[str] = ()
