@@ -192,7 +192,7 @@ class Driver:
         )
         if first == CUDA_SUCCESS and second == CUDA_SUCCESS and size.value:
             return int(base.value), int(size.value)
-        # Drivers before CUDA 12.? do not know the mapping attributes; this one answers the same
+        # Older drivers do not know the mapping attributes; this call answers the same
         # for a VMM mapping (the range of the one cuMemMap call that covers ptr).
         b, s = ctypes.c_uint64(0), ctypes.c_size_t(0)
         self._call("cuMemGetAddressRange_v2", ctypes.byref(b), ctypes.byref(s), ptr)

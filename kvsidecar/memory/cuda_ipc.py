@@ -328,7 +328,7 @@ def open_cuda_ipc_all(
         for i in opens:
             opened[checked[i].storage_key()] = backend.open_storage(indexes[i], checked[i])
     except BaseException:
-        # What did open gives its count back as its storage is freed; every other export's
+        # A storage that opened gives its count back when it is freed; every other export's
         # count is given back here, or the worker's torch would keep that memory forever.
         done = {checked[i].storage_key() for i in opens if checked[i].storage_key() in opened}
         opened.clear()
