@@ -138,8 +138,8 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """Return the shape the engine indexes, tokens before heads.
 
     ``kv_first`` ``(2, B, N, H, C)``, ``blocks_first`` ``(B, 2, N, H, C)``, ``split`` and
-    ``kv_cells`` ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)`` (vLLM's
-    CPU backend's; its last dim packs K transposed and V, see the module doc).
+    ``kv_cells`` ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)``, the shape
+    vLLM's CPU backend allocates (its last dim packs K transposed and V, see the module doc).
     """
     _check_descriptor(desc)
     b, n, h, c = desc.num_blocks, desc.block_size, desc.num_heads, desc.head_size
