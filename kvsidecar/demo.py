@@ -42,8 +42,7 @@ PREFILL_BLOCK = 16
 DECODE_BLOCK = 32
 DTYPE = torch.float16
 
-
-# ----------------------------------------------------------------------------- shared by both sides
+# Used by both sides: the orchestrator and the workers derive every value from names alone.
 
 
 def engine_shape(engine: str, blocks: int) -> tuple[int, int, int, int, int]:
@@ -58,9 +57,6 @@ def seeded_layer(engine: str, rank: int, layer: int, blocks: int) -> torch.Tenso
     seed = (0 if engine == "prefill" else 1) * 1_000_000 + rank * 1000 + layer
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(engine_shape(engine, blocks), generator=gen).to(DTYPE)
-
-
-# ----------------------------------------------------------------------------------- worker process
 
 
 class _Worker:
@@ -192,7 +188,7 @@ def worker_main(spec_json: str) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------- orchestrator
+# The orchestrator: starts the daemon and the workers, and drives them.
 
 
 @dataclass

@@ -52,11 +52,6 @@ def _ids(step: int, n: int) -> frozenset[str]:
     return frozenset(f"req-{step}-{i}" for i in range(n))
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. in process
-# ---------------------------------------------------------------------------------------------
-
-
 def bench_in_process(steps: int, ids: int) -> float:
     """Request completions per second through `CompletionAggregator.aggregate`."""
     names = [_ids(s, ids) for s in range(steps)]
@@ -74,11 +69,6 @@ def bench_in_process(steps: int, ids: int) -> float:
     if done != steps * ids:
         raise RuntimeError(f"in process: {done} requests completed, expected {steps * ids}")
     return done / seconds
-
-
-# ---------------------------------------------------------------------------------------------
-# child processes
-# ---------------------------------------------------------------------------------------------
 
 
 def worker_main(spec: dict[str, Any]) -> None:
@@ -220,11 +210,6 @@ def daemon(host_pool_bytes: int) -> Iterator[tuple[str, int]]:
         yield endpoint, port
 
 
-# ---------------------------------------------------------------------------------------------
-# 2./3. through the daemon, and raw zmq
-# ---------------------------------------------------------------------------------------------
-
-
 def _go(kids: list[Child], cmd: str) -> float:
     started = time.perf_counter()
     for k in kids:
@@ -281,11 +266,6 @@ def bench_raw(steps: int, ids: int, reps: int) -> list[float]:
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     return rates
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. metrics cost
-# ---------------------------------------------------------------------------------------------
 
 
 def bench_metrics(blocks: int, seconds: float, reps: int) -> dict[str, list[float]]:

@@ -105,9 +105,6 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-# ---------------------------------------------------------------------------- figures
-
-
 @dataclasses.dataclass
 class Figure:
     """One measurement and its baseline, with their samples (medians go to the JSON).
@@ -185,9 +182,6 @@ def round_robin(
     return rates
 
 
-# ---------------------------------------------------------------------------- output
-
-
 def table(figures: Iterable[Figure]) -> list[str]:
     """Markdown rows: median, min-max, baseline median, ratio and its direction."""
     lines = [
@@ -240,9 +234,9 @@ def cpu_idle(sysfs: Path = Path("/sys")) -> dict[str, Any]:
 
     On a VM it sets what waking a thread on an idle CPU costs, which is most of a round trip
     between processes: with the guest's halt polling off (``guest_halt_poll_ns`` 0) every wait
-    halts the vCPU, and a blocking pyzmq echo took 143 µs (p50) on the project's VMs against
-    67 µs with it on (docs/benchmarks.md, round 8). Latency figures from two machines compare
-    only with this beside them. Missing entries are None (no cpuidle, or not Linux).
+    halts the vCPU, and a blocking pyzmq echo takes about twice as long as with it on
+    (docs/benchmarks.md, "guest halt polling off and on"). Latency figures from two machines
+    compare only with this beside them. Missing entries are None (no cpuidle, or not Linux).
     """
     base = sysfs / "devices/system/cpu"
     states = sorted((base / "cpu0/cpuidle").glob("state*"), key=lambda p: int(p.name[5:]))

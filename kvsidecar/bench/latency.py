@@ -17,8 +17,8 @@ the zmq.asyncio echo, blocking ones with the blocking echo.
 With ``--pin`` every server (the daemon and both echoes) runs on the first CPU this process may
 use and the benchmark itself, the client, on the second, the same for all. Unpinned, the 2-vCPU
 VMs' scheduler places the client's, the server's and libzmq's I/O threads differently from one
-round to the next, and a round of the same method takes ~125 or ~225 µs depending on where they
-landed (`benchmarks/probes/probe_placement.py`, docs/benchmarks.md).
+round to the next, and the same method's rounds fall into two groups, far apart, depending on
+where they landed (`benchmarks/probes/probe_placement.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -185,9 +185,6 @@ def _layers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Figu
     return figures
 
 
-# ---------------------------------------------------------------------------- workers
-
-
 def _workers_curve(opts: Options, endpoint: str, progress: Progress) -> list[Figure]:
     figures: list[Figure] = []
     num_blocks = 4 * FIXED_BLOCKS
@@ -317,9 +314,6 @@ def _concurrently(jobs: list[Callable[[], None]], count: int) -> tuple[float, li
     if errors:
         raise errors[0]
     return wall, times
-
-
-# ---------------------------------------------------------------------------- registry
 
 
 @contextlib.contextmanager

@@ -103,8 +103,6 @@ class CompletionAggregator:
         self._stale = 0
         self._fenced = 0
 
-    # ---- introspection ----
-
     @property
     def expected_finished_count(self) -> int:
         """How many reports a request first reported from now on must collect."""
@@ -135,8 +133,6 @@ class CompletionAggregator:
         if not self._sending or not self._recving:
             return len(self._sending) + len(self._recving)
         return len(self._sending.keys() | self._recving.keys())
-
-    # ---- aggregation ----
 
     def aggregate(
         self, reports: Sequence[WorkerReport | None], output_rank: int = 0
@@ -257,8 +253,6 @@ class CompletionAggregator:
         if bit is None:
             bit = self._bits[worker_id] = 1 << len(self._bits)
         return bit
-
-    # ---- daemon primitives ----
 
     def fail_worker(self, worker_id: str) -> WorkerFailure:
         """Declare a worker dead and report on its behalf from now on.

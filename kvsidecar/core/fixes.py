@@ -219,9 +219,10 @@ def _remap(
     """
     dst = _cache_as_remote(raw, local_layout, tokens)
     if raw.device.type == "cpu" and raw[0].numel() * raw.element_size() >= _PER_BLOCK_MIN_BYTES:
-        # On CPU a big gather and a strided scatter run at first-touch speed (~0.5 GB/s measured);
-        # one block at a time through a reused, cache-resident scratch ran 3-30x faster for blocks
-        # of 8 KiB and more. On GPUs the kernel launch per block would dominate instead.
+        # On CPU a big gather and a strided scatter run at first-touch speed (every page of the
+        # gathered copy is new); one block at a time through a reused, cache-resident scratch is
+        # several times faster for blocks of 8 KiB and more. On GPUs the kernel launch per block
+        # would dominate instead.
         scratch = torch.empty((1, *raw.shape[1:]), dtype=raw.dtype)
         src = _as_remote(scratch, remote_layout, tokens)
         for b in index.tolist():

@@ -15,11 +15,11 @@ Vocabulary (the same as ``types.BufferDescriptor``):
   HND is ``(H, N, C)``. Blocks are always the slowest dim inside their region.
 - A *region* is one block's K part or V part (or its whole latent for MLA): ``block_len`` bytes.
 
-Two conventions exist for handing over an HND tensor (see MEASURED.md): the reference's
-``(B, N, H, C)`` shape with HND strides, and vLLM 0.33's contiguous ``(B, H, N, C)``. They hold the
-same bytes. Functions that take a tensor accept both through ``shape_order``: ``"NH"`` (the default)
-when the shape lists tokens before heads, ``"HN"`` when it lists heads before tokens. Everything
-here works from the memory order, so both register and fix identically.
+Two conventions exist for handing over an HND tensor: the reference's ``(B, N, H, C)`` shape with
+HND strides, and vLLM 0.33's contiguous ``(B, H, N, C)``. They hold the same bytes. Functions that
+take a tensor accept both through ``shape_order``: ``"NH"`` (the default) when the shape lists
+tokens before heads, ``"HN"`` when it lists heads before tokens. Everything here works from the
+memory order, so both register and fix identically.
 
 The copy engine moves raw bytes (``block_views``); whatever a remote engine with another memory
 order or block size wrote is then put right in place by `kvsidecar.core.fixes.fix_received`, which
@@ -75,11 +75,6 @@ packed blocks are re-blocked (`kvsidecar.core.fixes`), and never exchanged with 
 
 class LayoutError(ValueError):
     """A tensor, descriptor or request does not fit a supported KV layout; the message says why."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Descriptor helpers
-# ---------------------------------------------------------------------------------------------
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -143,8 +138,8 @@ def logical_shape(desc: BufferDescriptor) -> tuple[int, ...]:
     """Return the shape the engine indexes, tokens before heads.
 
     ``kv_first`` ``(2, B, N, H, C)``, ``blocks_first`` ``(B, 2, N, H, C)``, ``split`` and
-    ``kv_cells`` ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)`` (vLLM's
-    CPU backend's; its last dim packs K transposed and V, see the module doc).
+    ``kv_cells`` ``(B, N, H, C)``, ``mla`` ``(B, N, C)``; ``vllm_cpu`` ``(B, H, N, 2C)``, the shape
+    vLLM's CPU backend allocates (its last dim packs K transposed and V, see the module doc).
     """
     _check_descriptor(desc)
     b, n, h, c = desc.num_blocks, desc.block_size, desc.num_heads, desc.head_size
@@ -190,11 +185,6 @@ def block_bytes(desc: BufferDescriptor) -> int:
 def buffer_nbytes(desc: BufferDescriptor) -> int:
     """Size in bytes of the whole registered tensor."""
     return desc.num_blocks * block_bytes(desc)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensors <-> descriptors
-# ---------------------------------------------------------------------------------------------
 
 
 def to_memory_order(
@@ -375,11 +365,6 @@ def block_views(cache_logical: torch.Tensor, desc: BufferDescriptor) -> list[tor
     if desc.arrangement == "kv_first":
         return [raw[0].flatten(1), raw[1].flatten(1)]
     return [raw.flatten(1)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Head slices for heterogeneous tensor parallelism (HND)
-# ---------------------------------------------------------------------------------------------
 
 
 def heads_of_rank(*, tp_size: int, tp_rank: int, num_heads_total: int) -> tuple[int, int]:

@@ -80,11 +80,6 @@ class MoveError(ValueError):
         self.code: MoveErrorCode = code
 
 
-# --------------------------------------------------------------------------------------------
-# Block ids
-# --------------------------------------------------------------------------------------------
-
-
 def _as_ids(ids: BlockIds, what: str) -> _IdArray:
     """Return ``ids`` as a 1-D int64 numpy array, without copying when it already is one."""
     if isinstance(ids, torch.Tensor):
@@ -159,11 +154,6 @@ def validate_move(
             )
 
 
-# --------------------------------------------------------------------------------------------
-# Run plans
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Run:
     """``length`` blocks from ``src_start`` onwards go to ``dst_start`` onwards."""
@@ -228,7 +218,7 @@ def plan_runs(src_ids: BlockIds, dst_ids: BlockIds) -> RunPlan:
 
 SMALL_MOVE_IDS = 16
 """Moves of at most this many ids are planned in pure Python (`plan_small`): for a handful of
-ids, numpy's per-call cost is several times the work (measured: 14 µs against 1 µs for one id)."""
+ids, numpy's fixed cost per call is several times the work."""
 
 
 def plan_small(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -247,11 +237,6 @@ def plan_small(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     if n:
         runs.append((s0, d0, n))
     return runs
-
-
-# --------------------------------------------------------------------------------------------
-# SSM (Mamba) state blocks
-# --------------------------------------------------------------------------------------------
 
 
 def clip_ssm_state_blocks(blocks: list[int], num_spec_blocks: int) -> list[int]:

@@ -96,7 +96,7 @@ class TransferTopology:
     engines are added with `register_remote_engine` after their handshake.
     """
 
-    def __init__(  # noqa: PLR0917 - the engine's positional signature, kept for callers
+    def __init__(  # noqa: PLR0917 - positional, as in the engine this mirrors
         self,
         tp_rank: int,
         tp_size: int,
@@ -141,8 +141,6 @@ class TransferTopology:
         """KV heads held by one local rank (at least one: replicas when TP exceeds heads)."""
         self._engines: dict[tuple[EngineId, int], EngineTransferInfo] = {}
 
-    # ---- remote engines ----
-
     def register_remote_engine(
         self, remote_engine_id: EngineId, info: EngineTransferInfo
     ) -> EngineTransferInfo:
@@ -181,8 +179,6 @@ class TransferTopology:
         """Forget every PP rank of a remote engine; an unknown engine is a no-op."""
         for key in [key for key in self._engines if key[0] == remote_engine_id]:
             del self._engines[key]
-
-    # ---- pure size arithmetic ----
 
     @property
     def dcp_rank(self) -> int:

@@ -147,10 +147,11 @@ class Driver:
         if result != CUDA_SUCCESS:
             raise HandleError("cuda_error", f"{name} failed: {self.error_name(result)}")
 
-    # --- context: the driver calls below act on the current thread's context ---
-
     def use_device(self, ordinal: int) -> None:
-        """Make ``ordinal``'s primary context (the one torch uses) current on this thread."""
+        """Make ``ordinal``'s primary context (the one torch uses) current on this thread.
+
+        The driver calls that follow on this thread act on that context.
+        """
         with self._lock:
             ctx = self._contexts.get(ordinal)
             if ctx is None:
@@ -160,8 +161,6 @@ class Driver:
                 self._call("cuDevicePrimaryCtxRetain", ctypes.byref(handle), dev.value)
                 ctx = self._contexts[ordinal] = int(handle.value or 0)
         self._call("cuCtxSetCurrent", ctypes.c_void_p(ctx))
-
-    # --- questions about a pointer (the exporting side) ---
 
     def pointer_attribute(self, attribute: int, ptr: int) -> int:
         """One ``cuPointerGetAttribute`` value as an integer.
@@ -193,7 +192,7 @@ class Driver:
         )
         if first == CUDA_SUCCESS and second == CUDA_SUCCESS and size.value:
             return int(base.value), int(size.value)
-        # Drivers before CUDA 12.? do not know the mapping attributes; this one answers the same
+        # Older drivers do not know the mapping attributes; this call answers the same
         # for a VMM mapping (the range of the one cuMemMap call that covers ptr).
         b, s = ctypes.c_uint64(0), ctypes.c_size_t(0)
         self._call("cuMemGetAddressRange_v2", ctypes.byref(b), ctypes.byref(s), ptr)
@@ -221,7 +220,7 @@ class Driver:
             self._call("cuMemRelease", handle.value)
         return int(fd.value), int(prop.location.id)
 
-    # --- building a mapping (the importing side; a context must be current) ---
+    # Building a mapping (the importing side): a context must be current.
 
     def import_fd(self, fd: int) -> int:
         """Import an exported fd as an allocation handle (the fd stays the caller's)."""

@@ -79,9 +79,6 @@ def _require_cuda() -> None:
         raise HandleError("cuda_unavailable", "this torch has no usable CUDA device")
 
 
-# --- device identity -------------------------------------------------------------------------
-
-
 def canonical_uuid(text: str) -> str:
     """Return a GPU UUID as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (lower case).
 
@@ -137,7 +134,7 @@ def _visible_device_uuids() -> tuple[str, ...]:
     return tuple(device_uuid(i) for i in range(torch.cuda.device_count()))
 
 
-# --- export (the worker) ---------------------------------------------------------------------
+# Called by the worker: export.
 
 
 def legacy_ipc_handle(handle: bytes) -> bytes:
@@ -204,7 +201,7 @@ def export_cuda_tensor(t: torch.Tensor) -> CudaIpcHandle:
     return export_cuda_tensors([t])[0]
 
 
-# --- open (the daemon) -----------------------------------------------------------------------
+# Called by the daemon: open.
 
 
 def check_cuda_handle(handle: CudaIpcHandle) -> CudaIpcHandle:
@@ -331,7 +328,7 @@ def open_cuda_ipc_all(
         for i in opens:
             opened[checked[i].storage_key()] = backend.open_storage(indexes[i], checked[i])
     except BaseException:
-        # What did open gives its count back as its storage is freed; every other export's
+        # A storage that opened gives its count back when it is freed; every other export's
         # count is given back here, or the worker's torch would keep that memory forever.
         done = {checked[i].storage_key() for i in opens if checked[i].storage_key() in opened}
         opened.clear()

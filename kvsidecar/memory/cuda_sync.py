@@ -104,7 +104,7 @@ class SyncBeforeSend:
         """Nothing: such a daemon replies once its copy has finished on the GPU."""
 
 
-# --- the daemon's side -----------------------------------------------------------------------
+# Called by the daemon.
 
 MAX_OPEN_EVENTS = 1024
 """Event handles kept open (two per client GPU in use); the oldest is closed beyond it."""

@@ -165,7 +165,7 @@ def _exporter(drv: cuda_driver.Driver, base: int) -> Callable[[], int]:
     return lambda: drv.export_fd(base)[0]
 
 
-# --- import (the daemon) ---------------------------------------------------------------------
+# Called by the daemon: import.
 
 
 @dataclass(eq=False)

@@ -228,8 +228,6 @@ class FdChannelServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ------------------------------------------------------------------ connections
-
     def _accept(self) -> None:
         listener = self._listener
         if listener is None:
@@ -327,8 +325,6 @@ class FdChannelServer:
                 self._on_close(conn)
             except Exception:
                 log.exception("fd channel: on_close callback failed")
-
-    # ------------------------------------------------------------------ messages
 
     def _readable(self, conn: FdConnection) -> None:
         for _ in range(_TURN):  # level-triggered: what is left is read next turn
@@ -443,8 +439,6 @@ class FdChannelServer:
     def _unpend(self, delivery: _Delivery) -> None:
         delivery.conn.pending -= 1
         self.ledger.add_unclaimed(delivery.conn.key, -delivery.weight)
-
-    # ------------------------------------------------------------------ expiry
 
     async def _sweep_loop(self) -> None:
         period = min(1.0, self.limits.unclaimed_s / 4, self.limits.idle_s / 4)

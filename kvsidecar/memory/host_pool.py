@@ -1,7 +1,7 @@
 """The daemon-owned host pool: one arena allocated at start-up, carved into extents.
 
-The arena is allocated and touched once (first touch runs at a fraction of copy speed, MEASURED.md)
-and pinned on CUDA machines so GPU copies to and from it are DMA. Extents are carved first-fit from
+The arena is allocated and touched once (first touch runs at a fraction of copy speed) and pinned
+on CUDA machines so GPU copies to and from it are DMA. Extents are carved first-fit from
 a free list that coalesces neighbours, so a worker's mirror released at its death leaves one hole a
 new worker can reuse.
 

@@ -66,8 +66,8 @@ def allocate_shared(nbytes: int) -> torch.Tensor:
 
     The memory is a sealed memfd: it has no name anywhere (independent of torch's sharing
     strategy and of the size of ``/dev/shm``), and it cannot shrink under a mapping. Pages are
-    written once here because first touch runs at a fraction of copy speed (MEASURED.md); the
-    cost is paid at start-up instead of in the first transfer.
+    written once here because first touch runs at a fraction of copy speed: the cost is paid at
+    start-up instead of in the first transfer.
     """
     if nbytes <= 0:
         raise HandleError("bad_request", f"cannot allocate {nbytes} bytes")

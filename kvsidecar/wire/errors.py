@@ -28,13 +28,13 @@ ErrorCode = Literal[
     "shutting_down",
     "timeout",
     "internal",
-    # --- peer (node-to-node transfer) ---
+    # peer (node-to-node transfer)
     "incompatible_peer",
     "peer_unavailable",
-    # --- completion aggregation (kvsidecar/completions.py) ---
+    # completion aggregation (`Report`, `Collect`)
     "stale_epoch",
     "step_collected",
-    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
+    # access rights and liveness of workers and connections
     "forbidden",
     "worker_lost",
     "connection_lost",

@@ -43,7 +43,6 @@ from kvsidecar.wire.types import (
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the messages below."""
 
-# ---------------------------------------------------------------------------------------------
 # Control protocol: commands from engine workers and the replies of the daemon.
 #
 # Framing (see docs/protocol.md): a request is one ZeroMQ multipart message, ``[header, *data]``.
@@ -51,7 +50,6 @@ PROTOCOL_VERSION = 1
 # fixes (block-id arrays, little-endian int32 or int64 as ``ids_dtype`` says). A reply has the same
 # shape, ``[header, *data]`` with a msgpack-encoded `Reply`. The ROUTER's routing-id frame is
 # added and stripped by ZeroMQ and is not part of this schema.
-# ---------------------------------------------------------------------------------------------
 
 
 class Hello(_Request, tag="hello", frozen=True):
@@ -185,9 +183,6 @@ class Grant(_Request, tag="grant", frozen=True):
     registered now or, if none is, the next one to register, and ends with it."""
 
 
-# --- completion aggregation (kvsidecar/completions.py): commands --------------------------------
-
-
 class Report(_Request, tag="report", frozen=True):
     """One worker's completion report for one engine step (a `WorkerReport` on the wire).
 
@@ -220,9 +215,6 @@ class Collect(_Request, tag="collect", frozen=True):
     engine_id: str
     step: int
     timeout_s: float = 1.0
-
-
-# --- end completion aggregation commands --------------------------------------------------------
 
 
 Request = (
@@ -364,9 +356,6 @@ class Error(_Reply, tag="error", frozen=True):
     message: str
 
 
-# --- completion aggregation (kvsidecar/completions.py): replies ---------------------------------
-
-
 class Reported(_Reply, tag="reported", frozen=True):
     """A `Report` was accepted; ``duplicate`` when this ``(worker, step)`` had been counted."""
 
@@ -385,9 +374,6 @@ class Collected(_Reply, tag="collected", frozen=True):
     output: AggregatedOutput
     missing: list[str] = []
     failed_workers: list[str] = []
-
-
-# --- end completion aggregation replies ---------------------------------------------------------
 
 
 Reply = (

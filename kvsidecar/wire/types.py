@@ -20,18 +20,19 @@ Arrangement = Literal[
 - ``split``: ``(B, N, H, C)``, one tensor for K and another for V
 - ``mla``: ``(B, N, C)``, one latent vector per token
 - ``vllm_cpu``: ``(B, H, N, 2C)``, vLLM's CPU attention cache (its ``vec`` kernels): per block
-  and head, K stored transposed ``(C, N)`` followed by V ``(N, C)``. Added after protocol 1
-  shipped; a daemon that predates it refuses such a descriptor with ``invalid_message``.
+  and head, K stored transposed ``(C, N)`` followed by V ``(N, C)``. Not known to every
+  protocol-1 daemon: one without it refuses such a descriptor with ``invalid_message``.
 - ``vllm_cpu_amx``: the same tensor as packed by vLLM's ``amx`` kernels (bfloat16, block sizes
   a multiple of 32, on CPUs with AMX): per block and head, K in tiles of 16 tokens, each
   ``(C/2, 16, 2)`` (channel pairs, then tokens, then the pair), followed by V in groups of 16
-  channels, each ``(N/2, 16, 2)`` (token pairs, then channels, then the pair). Added like
-  ``vllm_cpu``, after it.
+  channels, each ``(N/2, 16, 2)`` (token pairs, then channels, then the pair). Refused like
+  ``vllm_cpu`` by a daemon without it.
 - ``kv_cells``: ``(B, N, H, K+V)``, the per-layer views vLLM 0.32+ gives its GPU attention
   backends (FlashAttention, FlashInfer, Triton): one region per block whose every (token, head)
   cell holds K's channels then V's (``head_size`` is the cell's channel count, K and V
   together). It is moved, permuted, re-blocked and head-sliced exactly as ``split`` is (a cell
-  never splits), but never exchanged with another arrangement. Added like ``vllm_cpu``.
+  never splits), but never exchanged with another arrangement. Refused like ``vllm_cpu`` by a
+  daemon without it.
 """
 
 MemoryOrder = Literal["NHD", "HND"]

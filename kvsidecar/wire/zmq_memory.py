@@ -3,8 +3,8 @@
 ZeroMQ allocates every received message with ``malloc``, on its I/O thread; the receiver copies
 it out and frees it. With glibc's defaults a freed block of a MiB or more goes back to the kernel
 (an ``munmap``, or a heap trimmed with ``madvise``), so the next message lands in fresh pages
-and pays a page fault per 4 KiB: MEASURED.md found 1 MiB frames streaming 20-50% faster with the
-thresholds raised. `keep_freed_memory` raises them for this process: blocks up to 32 MiB come
+and pays a page fault per 4 KiB, which slows a stream of 1 MiB frames (see docs/benchmarks.md).
+`keep_freed_memory` raises those thresholds for this process: blocks up to 32 MiB come
 from malloc's heaps and stay there once freed, so the next message reuses them. The cost is
 memory kept by the process: at most what was in flight at once (chunks in flight x chunk size
 per peer link), which stays mapped for reuse.

@@ -1,10 +1,10 @@
 """Non-blocking multipart send and receive on plain pyzmq sockets, for per-request hot paths.
 
 The daemon's control socket and the asyncio client read their sockets from event-loop reader
-callbacks. pyzmq's ``send_multipart`` / ``recv_multipart`` and its flag enums cost a few µs per
-call in enum arithmetic and option look-ups (``SNDMORE | flags``, ``getsockopt(RCVMORE)``, each
-``events & POLLIN``): nine enum operations per request and reply on a 1-block move. These do the
-same with plain integers and each received frame's own ``more`` flag.
+callbacks. pyzmq's ``send_multipart`` / ``recv_multipart`` and its flag enums spend a share of a
+small request's time in enum arithmetic and option look-ups (``SNDMORE | flags``,
+``getsockopt(RCVMORE)``, each ``events & POLLIN``): nine enum operations per request and reply on
+a 1-block move. These do the same with plain integers and each received frame's own ``more`` flag.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def try_recv(sock: zmq.Socket[Any]) -> list[zmq.Frame] | None:
 
 COPY_BELOW = 1 << 16
 """Messages smaller than this are copied into ZMQ messages rather than sent zero-copy: for a
-header or a few ids, pyzmq's zero-copy frame object costs more than the copy (11.7 against
-8.0 µs for a 2-frame reply, measured in a hot loop)."""
+header or a few ids, pyzmq's zero-copy frame object (made and tracked per frame) costs more than
+the copy (see docs/benchmarks.md)."""
 
 
 def send_frames(

@@ -103,7 +103,7 @@ def _cpu_kernels() -> CpuKernels | None:
     return CpuKernels(isa=_get_attn_isa, reshape_and_cache=ops.cpu_attn_reshape_and_cache)
 
 
-# ----------------------------------------------------------------- fail-closed answers
+# The scheduler hooks' fail-closed answers (`_guarded`'s ``closed``).
 
 
 def _miss(connector: KVSidecarConnector, request: Any, *args: Any) -> tuple[int | None, bool]:
@@ -227,8 +227,6 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 model_hash=facts.model_hash(),
                 fingerprint=facts.fingerprint(),
             )
-
-    # ------------------------------------------------------------------ worker
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
@@ -374,8 +372,6 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     out.write(json.dumps(record) + "\n")
         except Exception:  # vLLM is shutting down: never raise into it
             log.exception("kvsidecar: shutdown")
-
-    # ------------------------------------------------------------------ scheduler
 
     @_guarded(_miss)
     def get_num_new_matched_tokens(

@@ -8,7 +8,8 @@ workers. vLLM's contract (docs/vllm.md has the whole story):
   the engine's own prefix-cache hit that every rank holds in the daemon. By default the load is
   *asynchronous* (``async_loads``): vLLM parks the request until its workers report it received
   and computes other requests meanwhile; the hit may cover every full block of the prompt (vLLM
-  recomputes the last token). A *sync* load stops a token short and the forward waits for it.
+  recomputes the last token). A *sync* load stops one token short of the prompt (the scheduler
+  must compute at least one token) and the forward waits for it.
   The lookup pins its hits for the load that `SchedulerSide.after_alloc` plans. Every full block a
   step computes is stored after that step (`StepPlan.stores`; a decode step's may be batched,
   `kvsidecar.integrations.vllm.stores`); blocks the engine already had are not stored again.
@@ -65,7 +66,8 @@ from kvsidecar.integrations.vllm.settings import ConnectorSettings
 # A child of vLLM's logger: what the connector says shows in the engine's own log, formatted alike.
 log = logging.getLogger("vllm.kvsidecar")
 
-TWO_REGIONS = frozenset({"kv_first", "blocks_first"})  # K's region, then V's: pulled between
+TWO_REGIONS = frozenset({"kv_first", "blocks_first"})
+"""Layouts whose blocks hold K's region, then V's: a pull from one into another is served."""
 
 
 @dataclasses.dataclass
@@ -161,8 +163,6 @@ class SchedulerSide:
         self._awaiting.clear()
         self.lookups.clear()
         log.info("kvsidecar: cache reset: namespace %s from now on", self.fingerprint)
-
-    # ------------------------------------------------------------------ admission
 
     def may_load_async(self, request: RequestView) -> bool:
         """Whether `lookup` may answer an asynchronous load for this request (cheap)."""
@@ -340,8 +340,6 @@ class SchedulerSide:
             # vLLM waits for an async one (the lookup said so): it must be reported received.
             failed = LoadSpec(rid, [], blocks, asynchronous=self.settings.async_loads)
             self._next.failed_loads.append(failed)
-
-    # ------------------------------------------------------------------ steps
 
     def build(
         self, scheduled: Sequence[Scheduled], preempted: Sequence[str], finished: Sequence[str] = ()

@@ -109,8 +109,6 @@ class WorkerSide:
         self.loads = WorkerLoads(settings, tp_rank, self.counters)
         self.stores = WorkerStores(settings, self.counters, self._client)
 
-    # ------------------------------------------------------------------ registration
-
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: CacheLayout) -> None:
         """Share the engine's cache and connect (in the background if the daemon is away).
 
@@ -179,8 +177,6 @@ class WorkerSide:
         if self.conn is not None:
             self.conn.close()
         log.info("kvsidecar worker %d: %s", self.tp_rank, dict(self.counters))
-
-    # ------------------------------------------------------------------ step hooks
 
     def fence(self, freed: Collection[str]) -> None:
         """Before a forward: finish the stores and late loads of the ``freed`` requests."""
@@ -278,8 +274,6 @@ class WorkerSide:
     def take_outcomes(self) -> list[tuple[int, str, bool]]:
         """Return (and forget) this step's load outcomes: ``(rank, request, loaded whole)``."""
         return self.loads.take_outcomes()
-
-    # ------------------------------------------------------------------ pulls and sends
 
     def _submit_pulls(self, client: SidecarClient | None, specs: list[PullSpec]) -> None:
         groups: dict[tuple[str | None, str], list[PullSpec]] = {}
