@@ -43,7 +43,9 @@ async def _probe(endpoint: str, rounds: int, batch: int) -> dict[str, float]:
     ctx = zmq.asyncio.Context()
     client = AsyncSidecarClient(endpoint, heartbeat=False, context=ctx)
     await client.start()
-    request = [client._codec.encoder.encode(Status(id=1))]  # the very bytes the client sends
+    request = [
+        client._session.codec.encoder.encode(Status(id=1))
+    ]  # the very bytes the client sends
     awaited, tasked = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     plain: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     for sock in (awaited, tasked, plain):

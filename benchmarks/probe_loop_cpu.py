@@ -91,8 +91,11 @@ def main() -> None:
         ):
             with SidecarClient(endpoint, timeout_s=10, name="probe", heartbeat=False) as client:
                 one = np.array([3], dtype="<i4")
-                call = client._move(eng.a_dev, eng.b_dev, one, one, ["layer0"])
-                frames = [client._codec.encoder.encode(call.req), *(bytes(d) for d in call.data)]
+                call = client._requests.move(eng.a_dev, eng.b_dev, one, one, ["layer0"])
+                frames = [
+                    client._session.codec.encoder.encode(call.req),
+                    *(bytes(d) for d in call.data),
+                ]
             print(f"pids: echo {echo_pid}, daemon {daemon.pid}", flush=True)
             socks = []
             for ep in (echo_ep, endpoint):

@@ -52,8 +52,8 @@ STEPS = [
     ("kvsidecar.core.copier", "_run_cpu", "copy"),
     ("kvsidecar.wire.zmqio", "try_recv", "try_recv"),
     ("kvsidecar.wire.zmqio", "send_frames", "send_frames"),
-    ("kvsidecar.client.requests", "_Requests._move", "client_build"),
-    ("kvsidecar.client.sync_transport", "_BlockingTransport._call", "client_call"),
+    ("kvsidecar.client.requests", "_Requests.move", "client_build"),
+    ("kvsidecar.client.sync_transport", "_BlockingTransport.call", "client_call"),
 ]
 
 Event = tuple[float, str, str]
