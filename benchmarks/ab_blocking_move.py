@@ -56,8 +56,8 @@ def main() -> None:
         SidecarClient(ep_b, timeout_s=10, name="ab-b", heartbeat=False) as client_b,
     ):
         # The echo carries the very frames a move request carries (as `bench latency`'s).
-        call = client_a._move(eng_a.a_dev, eng_a.b_dev, one, one, ["layer0"])
-        frames = [client_a._codec.encoder.encode(call.req), *(bytes(d) for d in call.data)]
+        call = client_a._requests.move(eng_a.a_dev, eng_a.b_dev, one, one, ["layer0"])
+        frames = [client_a._session.codec.encoder.encode(call.req), *(bytes(d) for d in call.data)]
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -63,7 +63,7 @@ async def test_stopped_daemon_times_out_every_call_then_serves_again() -> None:
             assert status.draining is False
             # Nothing left waiting in the client for the stale replies.
             await asyncio.sleep(0.5)
-            assert c._pending == {}
+            assert c._transport._pending == {}
     del results, calls
     gc.collect()
     await asyncio.sleep(0)

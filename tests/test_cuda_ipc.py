@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.client.requests import _reply
+from kvsidecar.client.calls import _reply
 from kvsidecar.daemon.server import Daemon
 from kvsidecar.memory import HandleError, allocate_kv_caches
 from kvsidecar.memory.cuda_ipc import (
@@ -356,15 +356,16 @@ async def test_events_go_with_gpu_moves_only_and_cpu_memory_refuses_them() -> No
             {"l0": caches[0], "l1": caches[1]}, engine_id="c", host_blocks=4
         )
         dev, host = BufferSetRef(reg.worker), BufferSetRef(reg.worker, "host")
+        requests = client._requests
         # CPU memory: no events, and the reply goes back untouched (no extra call per move).
-        call = client._move(dev, host, [0, 1], [2, 3], None)
+        call = requests.move(dev, host, [0, 1], [2, 3], None)
         assert call.req.events is None and call.finish is _reply
         # As if this worker's memory were on a GPU: events recorded before, waited on after.
         sync = RecordingSync()
-        client._cuda_syncs[reg.worker] = sync
-        call = client._move(host, dev, [0], [1], None)
+        client._session.cuda_syncs[reg.worker] = sync
+        call = requests.move(host, dev, [0], [1], None)
         assert call.req.events == sync.events and sync.calls == ["before"]
-        assert client._move(host, host, [0], [1], None).req.events is None  # no device side
+        assert requests.move(host, host, [0], [1], None).req.events is None  # no device side
         # A CPU daemon refuses them on CPU buffers: typed, and nothing moved.
         with pytest.raises(SidecarError) as info:
             await client._run(call)
@@ -387,12 +388,13 @@ async def test_stores_loads_and_pulls_carry_the_ready_event_and_cpu_memory_refus
         AsyncSidecarClient(daemon.config.endpoint, heartbeat=False) as client,
     ):
         reg = await client.register_kv_caches({"l0": caches[0], "l1": caches[1]}, engine_id="c")
-        plain = client._cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
+        cache = client._cache_requests
+        plain = cache.cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
         assert plain.req.events is None  # CPU memory: nothing recorded, nothing sent
         sync = RecordingSync()
-        client._cuda_syncs[reg.worker] = sync
-        store = client._cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
-        load = client._cache_load("fp", keys, [2, 3], worker=None, pin_id=0, timeout=None)
+        client._session.cuda_syncs[reg.worker] = sync
+        store = cache.cache_store("fp", keys, [0, 1], worker=None, not_after=0.0, timeout=None)
+        load = cache.cache_load("fp", keys, [2, 3], worker=None, pin_id=0, timeout=None)
         pull_args: dict[str, Any] = {
             "pp_rank": 0,
             "medium": "device",
@@ -401,8 +403,9 @@ async def test_stores_loads_and_pulls_carry_the_ready_event_and_cpu_memory_refus
             "plane": "",
             "timeout": None,
         }
-        rank_pull = client._pull("c", "", "p", {"r": ([0], [2])}, tp_rank=0, **pull_args)
-        engine_pull = client._pull("c", "", "p", {"r": ([0], [2])}, tp_rank=None, **pull_args)
+        pull = client._requests.pull
+        rank_pull = pull("c", "", "p", {"r": ([0], [2])}, tp_rank=0, **pull_args)
+        engine_pull = pull("c", "", "p", {"r": ([0], [2])}, tp_rank=None, **pull_args)
         assert [c.req.events for c in (store, load, rank_pull)] == [sync.events] * 3
         assert engine_pull.req.events is None  # the scheduler's pull of every rank: no one stream
         assert sync.calls == ["before"] * 3

@@ -61,7 +61,7 @@ async def test_stale_heartbeat_and_unregister_are_refused() -> None:
             Unregister(id=902, worker=ref, epoch=reg.epoch + 1),
         ):
             with pytest.raises(SidecarError) as info:
-                await c._call(req, Moved)
+                await c._transport.call(req, Moved)
             assert info.value.code == "stale_epoch"
         assert ref in daemon.registry.workers  # nothing happened
 

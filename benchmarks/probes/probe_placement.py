@@ -72,8 +72,11 @@ def main() -> None:
             echo.setsockopt(zmq.LINGER, 0)
             echo.connect(echo_ep)
             one = np.array([3], dtype="<i4")
-            call = client._move(eng.a_dev, eng.b_dev, one, one, ["layer0"])
-            frames = [client._codec.encoder.encode(call.req), *(bytes(d) for d in call.data)]
+            call = client._requests.move(eng.a_dev, eng.b_dev, one, one, ["layer0"])
+            frames = [
+                client._session.codec.encoder.encode(call.req),
+                *(bytes(d) for d in call.data),
+            ]
 
             def move() -> None:
                 client.move(eng.a_dev, eng.b_dev, one, one, layers=["layer0"])

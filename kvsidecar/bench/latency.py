@@ -239,8 +239,8 @@ async def _measure(
         await client.start()
         one = np.array([3], dtype="<i4")
         # The echo carries the very bytes a move request carries (private helpers, on purpose).
-        move = client._move(src, dst, one, one, ["layer0"])
-        frames = [client._codec.encoder.encode(move.req), *(bytes(d) for d in move.data)]
+        move = client._requests.move(src, dst, one, one, ["layer0"])
+        frames = [client._session.codec.encoder.encode(move.req), *(bytes(d) for d in move.data)]
 
         async def raw_echo() -> None:
             await echo.send_multipart(frames, copy=False)

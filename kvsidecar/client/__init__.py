@@ -25,11 +25,13 @@ endpoint with CurveZMQ pass ``curve=(daemon_public_key, client_key_pair)`` or se
 
 from __future__ import annotations
 
-# The clients live in package-private modules, one owner each: `kvsidecar.client.codec` (ids,
-# msgpack, reply checks), `kvsidecar.client.export` (tensor export), `kvsidecar.client.common`
-# (client state, reconnection), `kvsidecar.client.requests` (one request builder per command),
-# `kvsidecar.client.sync_transport` and `kvsidecar.client.aio_transport` (how calls travel), and
-# the typed public methods in `kvsidecar.client.sync` and `kvsidecar.client.aio`.
+# Each client is composed, in package-private modules with one owner each: a session
+# (`kvsidecar.client.common`: what it knows of its daemon, reconnection), request builders without
+# I/O (`kvsidecar.client.requests`, `kvsidecar.client.cache_requests`, over `calls`, `codec` and
+# `export`), and a transport (`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`:
+# how calls travel). `kvsidecar.client.facade` holds what both share; the typed public methods
+# are in `kvsidecar.client.sync` and `kvsidecar.client.aio`, kept in step by a test
+# (tests/test_client_parity.py).
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers

@@ -1,9 +1,9 @@
 """The asyncio client, `AsyncSidecarClient`: concurrent calls matched to replies by request id.
 
-This module is its public face: one typed method per command, each building its call with
-`kvsidecar.client.requests._Requests` and awaiting it on the transport underneath
+One typed method per command: build the call (`kvsidecar.client.requests`,
+`kvsidecar.client.cache_requests`), await it on the client's transport
 (`kvsidecar.client.aio_transport`: socket, reader callback, fd channel watch, reconnection,
-heartbeat task). Import it from `kvsidecar.client`.
+heartbeat task), return its result. Import it from `kvsidecar.client`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
 import torch
+import zmq.asyncio
 
 from kvsidecar.client.aio_transport import _AsyncTransport
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.common import _Registration
+from kvsidecar.client.facade import _Facade
 from kvsidecar.client.requests import BatchMove
 from kvsidecar.core import layout
 from kvsidecar.wire.batch import MovedBatch
 from kvsidecar.wire.cache import CacheHits, CacheLoaded, CacheStored
+from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
@@ -37,15 +40,45 @@ from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder,
 __all__ = ["AsyncSidecarClient"]
 
 
-class AsyncSidecarClient(_AsyncTransport):
+class AsyncSidecarClient(_Facade):
     """asyncio client: ``async with AsyncSidecarClient(endpoint) as c:`` (or ``await c.start()``).
 
-    Calls may run concurrently on one client; replies are matched to calls by request id.
+    Calls may run concurrently on one client; replies are matched to calls by request id. The
+    constructor only prepares: `start` connects and says hello.
     """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        name: str = "",
+        heartbeat: bool = True,
+        context: zmq.asyncio.Context | None = None,
+        curve: tuple[bytes, KeyPair] | None = None,
+    ) -> None:
+        super().__init__(endpoint, timeout_s, name, curve)
+        self._transport = _AsyncTransport(
+            self._session, self._requests, heartbeat=heartbeat, context=context
+        )
+        # Bound once: every method ends in it.
+        self._run = self._transport.run
+
+    async def start(self) -> HelloReply:
+        """Connect and say hello; returns the daemon's hello reply."""
+        return await self._transport.start()
+
+    async def close(self) -> None:
+        """Stop heartbeats and the reader, close the fd channel and the socket. Idempotent."""
+        await self._transport.close()
+
+    async def reconnect(self, *, timeout: float | None = None) -> None:
+        """Reconnect to a restarted daemon and re-register; see `SidecarClient.reconnect`."""
+        await self._transport.reconnect(timeout=timeout)
 
     async def hello(self, *, timeout: float | None = None) -> HelloReply:
         """Check protocol versions and learn the daemon's fd socket, lease and limits."""
-        return await self._run(self._hello(timeout))
+        return await self._run(self._requests.hello(timeout))
 
     async def register_kv_caches(
         self,
@@ -81,8 +114,8 @@ class AsyncSidecarClient(_AsyncTransport):
             shape_order=shape_order,
             host_blocks=host_blocks,
         )
-        reply = await self._run(self._register(reg, timeout))
-        self._keep_alive(reply.lease_s)
+        reply = await self._run(self._requests.register(reg, timeout))
+        self._transport.keep_alive(reply.lease_s)
         return reply
 
     async def grant(
@@ -97,30 +130,30 @@ class AsyncSidecarClient(_AsyncTransport):
     ) -> None:
         """Let engine ``grantee`` use this engine's blocks; see `SidecarClient.grant`."""
         await self._run(
-            self._grant(grantee, owner, read, write, timeout, grantee_user=grantee_user)
+            self._requests.grant(grantee, owner, read, write, timeout, grantee_user=grantee_user)
         )
 
     async def unregister(
         self, worker: WorkerRef | None = None, *, timeout: float | None = None
     ) -> None:
         """Release a worker's mappings and host mirror (default: this client's worker)."""
-        await self._run(self._unregister(worker, timeout))
+        await self._run(self._requests.unregister(worker, timeout))
 
     async def heartbeat(
         self, workers: Sequence[WorkerRef] | None = None, *, timeout: float | None = None
     ) -> None:
         """Renew leases now."""
-        await self._run(self._heartbeat(workers, timeout))
+        await self._run(self._requests.heartbeat(workers, timeout))
 
     async def host_alloc(
         self, engine_id: str, count: int, *, timeout: float | None = None
     ) -> IdArray:
         """Allocate ``count`` host-pool block ids of an engine (all or nothing)."""
-        return await self._run(self._host_alloc(engine_id, count, timeout))
+        return await self._run(self._requests.host_alloc(engine_id, count, timeout))
 
     async def host_free(self, engine_id: str, ids: Ids, *, timeout: float | None = None) -> None:
         """Free host-pool block ids of an engine."""
-        await self._run(self._host_free(engine_id, ids, timeout))
+        await self._run(self._requests.host_free(engine_id, ids, timeout))
 
     async def move(
         self,
@@ -134,7 +167,7 @@ class AsyncSidecarClient(_AsyncTransport):
         timeout: float | None = None,
     ) -> Moved:
         """Copy blocks between buffer sets; see `SidecarClient.move`."""
-        call = self._move(
+        call = self._requests.move(
             src, dst, src_ids, dst_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return await self._run(call)
@@ -152,7 +185,7 @@ class AsyncSidecarClient(_AsyncTransport):
         `MoveResult` per move, in order, with ``error_code`` set on those that failed (the
         others ran). The moves run in order, so a later move sees what an earlier one wrote.
         """
-        return await self._run(self._move_batch(moves, checksum, timeout))
+        return await self._run(self._requests.move_batch(moves, checksum, timeout))
 
     async def offload(
         self,
@@ -166,7 +199,7 @@ class AsyncSidecarClient(_AsyncTransport):
     ) -> Moved:
         """Copy a worker's blocks into its host mirror."""
         src, dst = BufferSetRef(worker, "device"), BufferSetRef(worker, "host")
-        call = self._move(
+        call = self._requests.move(
             src, dst, device_ids, host_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return await self._run(call)
@@ -183,7 +216,7 @@ class AsyncSidecarClient(_AsyncTransport):
     ) -> Moved:
         """Copy blocks from a worker's host mirror into its KV cache."""
         src, dst = BufferSetRef(worker, "host"), BufferSetRef(worker, "device")
-        call = self._move(
+        call = self._requests.move(
             src, dst, host_ids, device_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return await self._run(call)
@@ -199,12 +232,10 @@ class AsyncSidecarClient(_AsyncTransport):
         timeout: float | None = None,
     ) -> Fixed:
         """Rewrite blocks in place from the remote layout; see `SidecarClient.fix_layout`."""
-        call = self._fix(
+        call = self._requests.fix_layout(
             target, block_ids, remote_memory_order, remote_block_size, layers, timeout=timeout
         )
         return await self._run(call)
-
-    # --- peer (node-to-node transfer) ---
 
     async def pull(
         self,
@@ -223,7 +254,7 @@ class AsyncSidecarClient(_AsyncTransport):
         prompt_digests: Mapping[str, str] | None = None,
     ) -> Pulled:
         """Pull requests' blocks from another node's daemon; see `SidecarClient.pull`."""
-        call = self._pull(
+        call = self._requests.pull(
             engine_id,
             remote_endpoint,
             remote_engine_id,
@@ -251,7 +282,7 @@ class AsyncSidecarClient(_AsyncTransport):
     ) -> None:
         """Hold a request's blocks for remote readers; see `SidecarClient.publish`."""
         await self._run(
-            self._publish(
+            self._requests.publish(
                 engine_id,
                 request_id,
                 block_ids,
@@ -265,11 +296,7 @@ class AsyncSidecarClient(_AsyncTransport):
         self, engine_id: str = "", *, timeout: float | None = None
     ) -> list[PeerCompletion]:
         """Take the queued peer completion events; see `SidecarClient.take_peer_events`."""
-        return await self._run(self._take_peer_events(engine_id, timeout))
-
-    # --- end peer ---
-
-    # --- completion aggregation ---
+        return await self._run(self._requests.take_peer_events(engine_id, timeout))
 
     async def report(
         self,
@@ -287,7 +314,7 @@ class AsyncSidecarClient(_AsyncTransport):
         timeout: float | None = None,
     ) -> Reported:
         """Report a worker's completions of one step; see `SidecarClient.report`."""
-        call = self._report(
+        call = self._requests.report(
             step,
             worker=worker,
             epoch=epoch,
@@ -306,11 +333,7 @@ class AsyncSidecarClient(_AsyncTransport):
         self, engine_id: str, step: int, *, timeout_s: float = 1.0, timeout: float | None = None
     ) -> Collected:
         """Collect the engine's aggregated completions; see `SidecarClient.collect`."""
-        return await self._run(self._collect(engine_id, step, timeout_s, timeout))
-
-    # --- end completion aggregation ---
-
-    # --- prefix cache and connectors (docs/vllm.md) ---
+        return await self._run(self._requests.collect(engine_id, step, timeout_s, timeout))
 
     async def cache_lookup(
         self,
@@ -323,7 +346,9 @@ class AsyncSidecarClient(_AsyncTransport):
         loads: int = 1,
     ) -> CacheHits:
         """Count the leading ``keys`` every rank of ``fingerprint`` holds (`CacheLookup`)."""
-        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        call = self._cache_requests.cache_lookup(
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+        )
         return await self._run(call)
 
     async def cache_store(
@@ -338,7 +363,7 @@ class AsyncSidecarClient(_AsyncTransport):
         timeout: float | None = None,
     ) -> CacheStored:
         """Store blocks ``block_ids`` under ``keys`` in the worker's namespace (`CacheStore`)."""
-        call = self._cache_store(
+        call = self._cache_requests.cache_store(
             fingerprint,
             keys,
             block_ids,
@@ -361,7 +386,7 @@ class AsyncSidecarClient(_AsyncTransport):
         not_after: float = 0.0,
     ) -> CacheLoaded:
         """Load the blocks of ``keys`` into ``block_ids`` (`CacheLoad`); see its missing ids."""
-        call = self._cache_load(
+        call = self._cache_requests.cache_load(
             fingerprint,
             keys,
             block_ids,
@@ -376,13 +401,11 @@ class AsyncSidecarClient(_AsyncTransport):
         self, worker: WorkerRef | None = None, *, timeout: float | None = None
     ) -> list[PeerCompletion]:
         """Take the completion events credited to a worker (default: this client's; subscribes)."""
-        return await self._run(self._take_worker_events(worker, timeout))
-
-    # --- end prefix cache ---
+        return await self._run(self._cache_requests.take_worker_events(worker, timeout))
 
     async def status(self, *, timeout: float | None = None) -> StatusReply:
         """Return the daemon's state; see `SidecarClient.status`."""
-        return await self._run(self._status(timeout))
+        return await self._run(self._requests.status(timeout))
 
     async def __aenter__(self) -> AsyncSidecarClient:
         await self.start()

@@ -1,13 +1,13 @@
 """How `AsyncSidecarClient` carries its calls, and keeps its daemon.
 
-One DEALER socket read from an event-loop reader callback, calls in flight matched to replies by
-request id, the fd channel watched for the daemon's death, reconnection after its restart, and
-the heartbeat task.
+`_AsyncTransport` is held by the client beside its request builders, and works on the same
+`_Session`. One DEALER socket read from an event-loop reader callback, calls in flight matched
+to replies by request id, the fd channel watched for the daemon's death, reconnection after its
+restart, and the heartbeat task.
 
 The socket is a plain pyzmq socket read from an event-loop reader callback, like the daemon's,
-not a ``zmq.asyncio`` socket read by a task: the task's wake-up and the ``zmq.asyncio``
-futures cost about 60 µs of a 300 µs round trip on the 2-core test machine (measured side by
-side against the daemon's status command; docs/benchmarks.md).
+not a ``zmq.asyncio`` socket read by a task: a task's wake-up and the ``zmq.asyncio`` futures
+are a large share of a round trip (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import zmq.asyncio
 
 from kvsidecar.client.calls import _Call
 from kvsidecar.client.codec import R, T, _check
+from kvsidecar.client.common import _Session
 from kvsidecar.client.requests import _Requests
 from kvsidecar.wire import zmqio
-from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import HelloReply, Reply, Request
 
@@ -46,20 +46,26 @@ def _expire(fut: asyncio.Future[Any]) -> None:
         fut.set_exception(_Expired())
 
 
-class _AsyncTransport(_Requests):
-    """The asyncio transport under `AsyncSidecarClient`: calls may run concurrently."""
+class _AsyncTransport:
+    """The asyncio transport of an `AsyncSidecarClient`: calls may run concurrently.
+
+    ``requests`` builds what the transport sends by itself: hellos, the registrations replayed
+    on a restarted daemon, and heartbeats.
+    """
 
     def __init__(
         self,
-        endpoint: str | None = None,
+        session: _Session,
+        requests: _Requests,
         *,
-        timeout_s: float = 10.0,
-        name: str = "",
-        heartbeat: bool = True,
-        context: zmq.asyncio.Context | None = None,
-        curve: tuple[bytes, KeyPair] | None = None,
+        heartbeat: bool,
+        context: zmq.asyncio.Context | None,
     ) -> None:
-        super().__init__(endpoint, timeout_s, name, curve)
+        self._session = session
+        self._requests = requests
+        # Bound once: every call encodes its request and decodes its reply.
+        self._encode = session.codec.encoder.encode
+        self._decode = session.codec.decode
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.Socket[Any] | None = None
         self._pending: dict[int, asyncio.Future[tuple[Reply, list[memoryview]]]] = {}
@@ -74,8 +80,9 @@ class _AsyncTransport(_Requests):
         """Connect and say hello; returns the daemon's hello reply."""
         if self._sock is None:
             self._open_socket()
-        self.daemon = await self._run(self._hello(None))
-        return self.daemon
+        daemon = await self.run(self._requests.hello(None))
+        self._session.daemon = daemon
+        return daemon
 
     async def close(self) -> None:
         """Stop heartbeats and the reader, close the fd channel and the socket. Idempotent."""
@@ -89,14 +96,14 @@ class _AsyncTransport(_Requests):
                 fut.cancel()
         self._pending.clear()
         self._unwatch_fd_channel()
-        self._close_fd_channel()
+        self._session.close_fd_channel()
         self._close_socket()
 
     def _open_socket(self) -> None:
         sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        self._secure(sock)
-        sock.connect(self.endpoint)
+        self._session.secure(sock)
+        sock.connect(self._session.endpoint)
         self._sock = sock
         loop = asyncio.get_running_loop()
         self._sock_fd = int(sock.getsockopt(zmq.FD))
@@ -121,7 +128,7 @@ class _AsyncTransport(_Requests):
             if frames is None:
                 return
             try:
-                reply, data = self._codec.decode(frames)
+                reply, data = self._decode(frames)
             except SidecarError as exc:
                 log.warning("dropping reply: %s", exc)
                 continue
@@ -149,32 +156,37 @@ class _AsyncTransport(_Requests):
         if zmqio.readable(sock):
             asyncio.get_running_loop().call_soon(self._on_readable)
 
-    async def _call(
+    async def call(
         self,
         req: Request,
         expected: type[R],
         data: Sequence[Any] = (),
         timeout: float | None = None,
     ) -> tuple[R, list[memoryview]]:
+        """Send ``req`` and await its reply, checked against ``expected``, and its frames.
+
+        A daemon known to be away is reconnected first (unless a reconnection is under way).
+        """
         if self._sock is None:
             raise SidecarError("internal", "call start() (or use async with) first")
-        # A watched fd channel sets ``_lost`` itself; an unwatched one is asked (a syscall).
-        gone = self._lost or (self._watched_fd is None and self._daemon_gone())
+        session = self._session
+        # A watched fd channel sets ``lost`` itself; an unwatched one is asked (a syscall).
+        gone = session.lost or (self._watched_fd is None and session.daemon_gone())
         if gone and not self._reconnect_lock.locked():
-            self._lost = True
+            session.lost = True
             await self.reconnect()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[Reply, list[memoryview]]] = loop.create_future()
         self._pending[req.id] = fut
         # A timer on the future itself rather than `asyncio.wait_for`, which adds a waiter
         # future and a loop iteration to every call.
-        wait = self.timeout_s if timeout is None else timeout
+        wait = session.timeout_s if timeout is None else timeout
         timer = loop.call_later(wait, _expire, fut)
         try:
-            await self._send([self._codec.encoder.encode(req), *data], time.monotonic() + wait)
+            await self._send([self._encode(req), *data], time.monotonic() + wait)
             reply, frames = await fut
         except _Expired:
-            raise self._timeout_error(req) from None
+            raise session.timeout_error(req) from None
         finally:
             timer.cancel()
             self._pending.pop(req.id, None)
@@ -184,37 +196,38 @@ class _AsyncTransport(_Requests):
                 fut.exception()  # seen: a timeout that fired while the send waited is not news
         return _check(reply, expected), frames
 
-    async def _run(self, call: _Call[R, T]) -> T:
-        reply, frames = await self._call(call.req, call.expected, call.data, call.timeout)
+    async def run(self, call: _Call[R, T]) -> T:
+        """Carry ``call`` and return its result (what its ``finish`` makes of the reply)."""
+        reply, frames = await self.call(call.req, call.expected, call.data, call.timeout)
         return call.finish(reply, frames)
 
-    def _keep_alive(self, lease_s: float) -> None:
+    def keep_alive(self, lease_s: float) -> None:
         """After a registration: watch its fd channel, and renew its lease from a task."""
         self._watch_fd_channel()
         if self._heartbeat_enabled and self._hb_task is None:
             self._hb_task = asyncio.create_task(self._heartbeat_loop(lease_s / 3))
 
     async def _heartbeat_loop(self, interval: float) -> None:
+        session = self._session
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._run(self._heartbeat(None, None))
+                await self.run(self._requests.heartbeat(None, None))
             except SidecarError as exc:
                 log.warning("heartbeat refused: %s", exc)
                 if exc.code in ("unknown_worker", "unknown_engine", "connection_lost"):
-                    self._lost = True
-            if self._lost and not self._reconnect_lock.locked():
+                    session.lost = True
+            if session.lost and not self._reconnect_lock.locked():
                 with contextlib.suppress(SidecarError):
                     await self.reconnect(timeout=interval)
 
-    # -- reliability: notice the daemon's death, reconnect after its restart
-
     def _watch_fd_channel(self) -> None:
         """Fail in-flight calls at once when the daemon closes the fd channel (it died)."""
-        if self._fd_channel is None or self._watched_fd == self._fd_channel.fileno():
+        channel = self._session.fd_channel
+        if channel is None or self._watched_fd == channel.fileno():
             return
         self._unwatch_fd_channel()
-        fd = self._fd_channel.fileno()
+        fd = channel.fileno()
         asyncio.get_running_loop().add_reader(fd, self._on_fd_channel_readable)
         self._watched_fd = fd
 
@@ -225,38 +238,40 @@ class _AsyncTransport(_Requests):
             self._watched_fd = None
 
     def _on_fd_channel_readable(self) -> None:
-        if not self._daemon_gone():
+        session = self._session
+        if not session.daemon_gone():
             return
         self._unwatch_fd_channel()
-        self._lost = True
+        session.lost = True
         for rid, fut in list(self._pending.items()):
             if not fut.done():
-                fut.set_exception(self._lost_error("request", rid))
+                fut.set_exception(session.lost_error("request", rid))
 
     async def reconnect(self, *, timeout: float | None = None) -> None:
         """Reconnect to a restarted daemon and re-register; see `SidecarClient.reconnect`."""
+        session, requests = self._session, self._requests
         async with self._reconnect_lock:
-            if not self._lost and not self._daemon_gone() and self.daemon is not None:
+            if not session.lost and not session.daemon_gone() and session.daemon is not None:
                 return  # another task reconnected while this one waited
             self._unwatch_fd_channel()
-            backoff = self._start_reconnect(timeout)
+            backoff = session.start_reconnect(timeout)
             while True:
                 await self._reset_socket()
                 try:
-                    self.daemon = await self._run(self._hello(backoff.hello_timeout()))
+                    session.daemon = await self.run(requests.hello(backoff.hello_timeout()))
                     break
                 except SidecarError as exc:
-                    await asyncio.sleep(self._retry_pause(backoff, exc))
+                    await asyncio.sleep(session.retry_pause(backoff, exc))
             self._unwatch_fd_channel()
-            self._forget_workers()
+            session.forget_workers()
             try:
-                for reg in self._registrations:
-                    await self._run(self._register(reg, remember=False))
+                for reg in session.registrations:
+                    await self.run(requests.register(reg, remember=False))
             except SidecarError:
-                self._lost = True
+                session.lost = True
                 raise
             self._watch_fd_channel()
-            self._reconnected()
+            session.reconnected()
 
     async def _reset_socket(self) -> None:
         self._close_socket()

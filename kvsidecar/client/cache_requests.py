@@ -1,7 +1,7 @@
 """Request builders of the prefix cache and of per-worker completion events (connectors).
 
-A mixin of the clients' shared request builder (`kvsidecar.client.requests._Requests`): the
-commands `cache_lookup`, `cache_store`, `cache_load` and `take_worker_events`.
+The commands `cache_lookup`, `cache_store`, `cache_load` and `take_worker_events`, built like
+those of `kvsidecar.client.requests._Requests` and held beside it by both clients.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from kvsidecar.client.calls import _Call, _events, _reply
 from kvsidecar.client.codec import Ids, _as_id_array, _dtype_of
-from kvsidecar.client.common import _Base
+from kvsidecar.client.common import _Session
 from kvsidecar.wire.cache import (
     CacheHits,
     CacheLoad,
@@ -34,10 +34,14 @@ def _key_frame(keys: Sequence[bytes]) -> tuple[int, bytes]:
     return size, b"".join(keys)
 
 
-class _CacheRequests(_Base):
-    """Builders of the prefix-cache commands and of ``take_worker_events``."""
+class _CacheRequests:
+    """Builders of the prefix-cache commands and of ``take_worker_events``, on a `_Session`."""
 
-    def _cache_lookup(
+    def __init__(self, session: _Session) -> None:
+        self._session = session
+        self._next_id = session.codec.next_id
+
+    def cache_lookup(
         self,
         fingerprint: str,
         keys: Sequence[bytes],
@@ -47,9 +51,10 @@ class _CacheRequests(_Base):
         *,
         loads: int = 1,
     ) -> _Call[CacheHits, CacheHits]:
+        """Build the count (and with ``pin_s`` > 0 the pin) of the leading keys held."""
         size, frame = _key_frame(keys)
         req = CacheLookup(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             fingerprint=fingerprint,
             tp_size=tp_size,
             key_size=size,
@@ -58,7 +63,7 @@ class _CacheRequests(_Base):
         )
         return _Call(req, CacheHits, _reply, (frame,), timeout)
 
-    def _cache_store(
+    def cache_store(
         self,
         fingerprint: str,
         keys: Sequence[bytes],
@@ -69,22 +74,24 @@ class _CacheRequests(_Base):
         capacity_bytes: int = 0,
         timeout: float | None,
     ) -> _Call[CacheStored, CacheStored]:
+        """Build a store of blocks under keys, ordered after the caller's stream on a GPU."""
+        session = self._session
         size, frame = _key_frame(keys)
         ids = _as_id_array(block_ids)
-        source = BufferSetRef(worker or self.worker)
+        source = BufferSetRef(worker or session.worker)
         req = CacheStore(
-            id=self._codec.next_id(),
-            source=self._stamp(source),
+            id=self._next_id(),
+            source=session.stamp(source),
             fingerprint=fingerprint,
             key_size=size,
             ids_dtype=_dtype_of(ids),
             not_after=not_after,
             capacity_bytes=capacity_bytes,
-            events=self._ready(source),
+            events=session.ready(source),
         )
         return _Call(req, CacheStored, _reply, (frame, ids), timeout)
 
-    def _cache_load(
+    def cache_load(
         self,
         fingerprint: str,
         keys: Sequence[bytes],
@@ -95,24 +102,28 @@ class _CacheRequests(_Base):
         timeout: float | None,
         not_after: float = 0.0,
     ) -> _Call[CacheLoaded, CacheLoaded]:
+        """Build a load of the keys' blocks, ordered after the caller's stream on a GPU."""
+        session = self._session
         size, frame = _key_frame(keys)
         ids = _as_id_array(block_ids)
-        target = BufferSetRef(worker or self.worker)
+        target = BufferSetRef(worker or session.worker)
         req = CacheLoad(
-            id=self._codec.next_id(),
-            target=self._stamp(target),
+            id=self._next_id(),
+            target=session.stamp(target),
             fingerprint=fingerprint,
             key_size=size,
             ids_dtype=_dtype_of(ids),
             pin_id=pin_id,
             not_after=not_after,
-            events=self._ready(target),
+            events=session.ready(target),
         )
         return _Call(req, CacheLoaded, _reply, (frame, ids), timeout)
 
-    def _take_worker_events(
+    def take_worker_events(
         self, worker: WorkerRef | None, timeout: float | None
     ) -> _Call[PeerEvents, list[PeerCompletion]]:
-        ref = worker or self.worker
-        req = TakeWorkerEvents(id=self._codec.next_id(), worker=ref, epoch=self.epochs.get(ref, 0))
+        """Build the take of a worker's completion events (default: the client's worker)."""
+        ref = worker or self._session.worker
+        epoch = self._session.epochs.get(ref, 0)
+        req = TakeWorkerEvents(id=self._next_id(), worker=ref, epoch=epoch)
         return _Call(req, PeerEvents, _events, timeout=timeout)

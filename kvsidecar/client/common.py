@@ -1,9 +1,9 @@
-"""What both clients know about their daemon, and how they get it back after a restart.
+"""What a client knows about its daemon, and how it gets it back after a restart.
 
 The daemon's hello, the workers registered here and their epochs, the fd channel, and what a
-reconnection needs: the registrations to replay, the loss flag, the backoff. Requests are built
-on top of it in `kvsidecar.client.requests`; the clients (`kvsidecar.client.sync`,
-`kvsidecar.client.aio`) only carry them.
+reconnection needs: the registrations to replay, the loss flag, the backoff. A client's request
+builders (`kvsidecar.client.requests`) and its transport (`kvsidecar.client.sync_transport`,
+`kvsidecar.client.aio_transport`) share one `_Session`.
 """
 
 from __future__ import annotations
@@ -73,8 +73,14 @@ class _Backoff:
         return delay
 
 
-class _Base:
-    """State shared by both clients: the daemon, the workers registered here, the fd channel."""
+class _Session:
+    """What a client knows about its daemon: the hello, its workers, the fd channel, the loss.
+
+    One per client, shared by its request builders (which read epochs and GPUs, and record
+    registrations) and its transport (which watches the fd channel, and replays the
+    registrations on a restarted daemon). Its containers are changed in place, never replaced:
+    the builders hold them directly.
+    """
 
     def __init__(
         self,
@@ -84,41 +90,35 @@ class _Base:
         curve: tuple[bytes, KeyPair] | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
-        self._curve = curve or client_keys_from_env(self.endpoint)
+        self.curve = curve or client_keys_from_env(self.endpoint)
         """(daemon's public key, our key pair) for a CURVE tcp endpoint; None: plain."""
         self.timeout_s = timeout_s
         self.name = name
-        self._codec = _Codec()
+        self.codec = _Codec()
         self.daemon: HelloReply | None = None
         """The daemon's hello reply (versions, fd socket, lease, limits)."""
         self.workers: list[WorkerRef] = []
         """Workers registered through this client (kept alive by its heartbeats)."""
         self.epochs: dict[WorkerRef, int] = {}
         """Registration epoch of each worker registered here (`Registered.epoch`)."""
-        self._fd_channel: FdChannelClient | None = None
-        # --- reliability: what a re-registration after a daemon restart needs ---
-        self._registrations: list[_Registration] = []
-        """Every successful registration's tensors and arguments, replayed by ``reconnect``."""
-        self._lost = False
+        self.fd_channel: FdChannelClient | None = None
+        self.registrations: list[_Registration] = []
+        """Every successful registration's tensors and arguments, replayed on reconnection."""
+        self.lost = False
         """Set when the daemon went away (fd channel EOF); the next call reconnects first."""
         self.reconnects = 0
         """Completed reconnections (daemon restarts survived)."""
-        # --- GPU memory: how moves on it are ordered against the caller's stream ---
-        self._cuda_syncs: dict[WorkerRef, Sync] = {}
+        self.cuda_syncs: dict[WorkerRef, Sync] = {}
         """Per worker registered here with CUDA tensors: its GPU's `Sync`."""
-        self._device_syncs: dict[tuple[torch.device, bool], Sync] = {}
+        self.device_syncs: dict[tuple[torch.device, bool], Sync] = {}
         """One `Sync` per GPU (and kind), made once: its events live as long as the client."""
 
     @property
     def available(self) -> bool:
-        """Whether the daemon is reachable as far as this client knows (no loss seen yet).
-
-        False from the moment the daemon's death shows (its fd channel closed) until a
-        reconnection, made by the next call or the heartbeat, succeeds.
-        """
-        if not self._lost and self._daemon_gone():
-            self._lost = True
-        return not self._lost
+        """Whether the daemon is reachable as far as this client knows (see the clients')."""
+        if not self.lost and self.daemon_gone():
+            self.lost = True
+        return not self.lost
 
     @property
     def worker(self) -> WorkerRef:
@@ -127,26 +127,25 @@ class _Base:
             raise SidecarError("unknown_worker", "this client has not registered a worker")
         return self.workers[0]
 
-    # --- reliability and security: epochs, grants, loss of the daemon ---
-
-    def _stamp(self, ref: BufferSetRef) -> BufferSetRef:
+    def stamp(self, ref: BufferSetRef) -> BufferSetRef:
         """Add the epoch of a worker registered here, so a later registration fences the call."""
         epoch = self.epochs.get(ref.worker, 0)
         if ref.epoch or not epoch:
             return ref
         return BufferSetRef(ref.worker, ref.medium, epoch)
 
-    def _secure(self, sock: zmq.Socket[Any]) -> None:
-        if self._curve is not None:
-            server_public, keys = self._curve
+    def secure(self, sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` a CURVE client of the daemon when the endpoint needs it."""
+        if self.curve is not None:
+            server_public, keys = self.curve
             secure_client_socket(sock, server_public=server_public, keys=keys)
 
-    def _daemon_gone(self) -> bool:
+    def daemon_gone(self) -> bool:
         """Whether the daemon closed our fd channel (it exited, or restarted)."""
-        return self._fd_channel is not None and self._fd_channel.peer_closed()
+        return self.fd_channel is not None and self.fd_channel.peer_closed()
 
     @staticmethod
-    def _lost_error(what: str, request_id: int) -> SidecarError:
+    def lost_error(what: str, request_id: int) -> SidecarError:
         """Make the error of a call in flight when the daemon went away (``what``: the request)."""
         return SidecarError(
             "connection_lost",
@@ -156,43 +155,48 @@ class _Base:
         )
 
     @staticmethod
-    def _timeout_error(req: Request) -> SidecarError:
+    def timeout_error(req: Request) -> SidecarError:
         """Make the error of a call whose reply did not come within its timeout."""
         return SidecarError(
             "timeout", f"no reply to {type(req).__name__} within the timeout", request_id=req.id
         )
 
-    def _registered(self, reply: Registered) -> Registered:
+    def registered(self, reply: Registered) -> Registered:
         """Track a worker the daemon accepted (a registration, or its replay on reconnect)."""
         self.workers.append(reply.worker)
         self.epochs[reply.worker] = reply.epoch
         return reply
 
-    def _forget_workers(self) -> None:
+    def forget(self, ref: WorkerRef) -> None:
+        """After an unregistration: the worker is no longer this client's, nor replayed."""
+        self.cuda_syncs.pop(ref, None)
+        if ref in self.workers:
+            self.workers.remove(ref)
+        self.registrations[:] = [r for r in self.registrations if r.worker != ref]
+
+    def forget_workers(self) -> None:
         """Before replaying the registrations on a restarted daemon: it knows none of them."""
-        self._close_fd_channel()
+        self.close_fd_channel()
         self.workers.clear()
         self.epochs.clear()
-        self._cuda_syncs.clear()
+        self.cuda_syncs.clear()
 
-    # --- GPU memory: ordering moves against the caller's CUDA stream ---
-
-    def _track_gpu(self, reg: _Registration, worker: WorkerRef) -> None:
-        """Remember the GPU of a worker registered with CUDA tensors (see `_gpu_sync`)."""
+    def track_gpu(self, reg: _Registration, worker: WorkerRef) -> None:
+        """Remember the GPU of a worker registered with CUDA tensors (see `gpu_sync`)."""
         device = next((t.device for t in reg.kv_caches.values() if t.is_cuda), None)
         if device is None:
-            self._cuda_syncs.pop(worker, None)
+            self.cuda_syncs.pop(worker, None)
             return
         events = self.daemon is not None and "cuda_events" in self.daemon.capabilities
         key = (device, events)
-        sync = self._device_syncs.get(key)
+        sync = self.device_syncs.get(key)
         if sync is None:
             sync = MoveSync(device, device_uuid(device.index or 0)) if events else None
             sync = sync or SyncBeforeSend(device)
-            self._device_syncs[key] = sync
-        self._cuda_syncs[worker] = sync
+            self.device_syncs[key] = sync
+        self.cuda_syncs[worker] = sync
 
-    def _gpu_sync(self, src: BufferSetRef, dst: BufferSetRef) -> Sync | None:
+    def gpu_sync(self, src: BufferSetRef, dst: BufferSetRef) -> Sync | None:
         """Return the `Sync` of a move touching GPU memory registered here (None: it does not).
 
         A move between two of this client's GPUs sends the events of the first; the other
@@ -201,13 +205,13 @@ class _Base:
         found = [
             sync
             for ref in (src, dst)
-            if ref.medium == "device" and (sync := self._cuda_syncs.get(ref.worker)) is not None
+            if ref.medium == "device" and (sync := self.cuda_syncs.get(ref.worker)) is not None
         ]
         if len(found) == 2 and found[0] is not found[1]:
             SyncBeforeSend(found[1].device).before()
         return found[0] if found else None
 
-    def _ready(self, ref: BufferSetRef) -> MoveEvents | None:
+    def ready(self, ref: BufferSetRef) -> MoveEvents | None:
         """Order a copy of ``ref``'s GPU memory after what the caller's stream enqueued so far.
 
         Records the ready event on the caller's current stream (a daemon without
@@ -215,34 +219,34 @@ class _Base:
         memory that is not this client's GPU memory. The copy's reply comes once it finished on
         the GPU, so a caller that waits for it may read the blocks.
         """
-        sync = self._cuda_syncs.get(ref.worker) if ref.medium == "device" else None
+        sync = self.cuda_syncs.get(ref.worker) if ref.medium == "device" else None
         return None if sync is None else sync.before()
 
-    def _start_reconnect(self, timeout: float | None) -> _Backoff:
-        """Begin ``reconnect``: drop the dead daemon's fd channel and start the clock.
+    def start_reconnect(self, timeout: float | None) -> _Backoff:
+        """Begin a reconnection: drop the dead daemon's fd channel and start the clock.
 
-        The hellos that follow must not recurse into reconnect: the fd channel goes now (a
+        The hellos that follow must not recurse into a reconnection: the fd channel goes now (a
         re-registration opens a new one), and the loss is cleared while trying.
         """
-        self._close_fd_channel()
-        self._lost = False
+        self.close_fd_channel()
+        self.lost = False
         return _Backoff(self.timeout_s if timeout is None else timeout)
 
-    def _retry_pause(self, backoff: _Backoff, exc: SidecarError) -> float:
+    def retry_pause(self, backoff: _Backoff, exc: SidecarError) -> float:
         """Return the pause before the next hello; give up (``connection_lost``) at the deadline."""
         try:
             return backoff.pause(exc)
         except SidecarError:
-            self._lost = True  # the next call tries again
+            self.lost = True  # the next call tries again
             raise
 
-    def _reconnected(self) -> None:
+    def reconnected(self) -> None:
+        """Count a reconnection that re-registered every worker."""
         self.reconnects += 1
         log.info("reconnected to %s; re-registered %d workers", self.endpoint, len(self.workers))
 
-    # --- end reliability and security ---
-
-    def _close_fd_channel(self) -> None:
-        if self._fd_channel is not None:
-            self._fd_channel.close()
-            self._fd_channel = None
+    def close_fd_channel(self) -> None:
+        """Close the fd channel (the daemon then releases the workers registered through it)."""
+        if self.fd_channel is not None:
+            self.fd_channel.close()
+            self.fd_channel = None

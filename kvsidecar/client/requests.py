@@ -1,12 +1,13 @@
-"""Every command of both clients, written once.
+"""Every command of both clients, written once, without I/O.
 
 A command is a `_Call`: its request built from the method's arguments, the reply type it
 expects, its data frames, its timeout, and the method's result made from the reply.
 
-`_Requests` holds one builder per command. A client's public method (`kvsidecar.client.sync`,
-`kvsidecar.client.aio`) only passes its arguments to the builder; its transport
-(`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`) carries the `_Call` over
-the socket, checks the reply against ``expected`` and applies ``finish``.
+`_Requests` holds one builder per command, named after the client method it serves (the
+prefix-cache commands are in `kvsidecar.client.cache_requests`). A client's public method
+(`kvsidecar.client.sync`, `kvsidecar.client.aio`) passes its arguments to the builder and the
+`_Call` to its transport (`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`),
+which carries it over the socket, checks the reply against ``expected`` and applies ``finish``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from typing import Literal
 
 import numpy as np
 
-from kvsidecar.client.cache_requests import _CacheRequests
 from kvsidecar.client.calls import _Call, _events, _nothing, _reply
 from kvsidecar.client.codec import Ids, _as_id_array, _dtype_of
-from kvsidecar.client.common import _Registration
+from kvsidecar.client.common import _Registration, _Session
 from kvsidecar.client.export import export_layers
 from kvsidecar.memory.cuda_sync import Sync
 from kvsidecar.memory.fd_client import MAX_FDS, FdChannelClient
@@ -108,20 +108,29 @@ def _pull_frames(
     return items, frames
 
 
-class _Requests(_CacheRequests):
-    """One `_Call` builder per command, on the state both clients share."""
+class _Requests:
+    """One `_Call` builder per command, reading and updating a client's `_Session`."""
 
-    def _hello(self, timeout: float | None = None) -> _Call[HelloReply, HelloReply]:
+    def __init__(self, session: _Session) -> None:
+        self._session = session
+        # Bound once: every command takes an id, and every move asks for the GPUs and epochs.
+        self._next_id = session.codec.next_id
+        self._stamp = session.stamp
+        self._cuda_syncs = session.cuda_syncs
+
+    def hello(self, timeout: float | None = None) -> _Call[HelloReply, HelloReply]:
+        """Build the hello that checks versions and learns the daemon's limits."""
         req = Hello(
-            id=self._codec.next_id(), protocol_version=PROTOCOL_VERSION, client_name=self.name
+            id=self._next_id(), protocol_version=PROTOCOL_VERSION, client_name=self._session.name
         )
         return _Call(req, HelloReply, _reply, timeout=timeout)
 
     def _prepare_register(self, reg: _Registration) -> Register:
         """Export the tensors, send their fds on the fd channel, build the Register request."""
-        if self.daemon is None:
+        session = self._session
+        if session.daemon is None:
             raise SidecarError("internal", "hello() must come first")
-        capabilities = self.daemon.capabilities
+        capabilities = session.daemon.capabilities
         specs, sources = export_layers(
             reg.kv_caches,
             arrangement=reg.arrangement,
@@ -133,14 +142,16 @@ class _Requests(_CacheRequests):
             raise SidecarError(
                 "handle_error", f"{len(sources)} fds to send; this daemon takes at most {MAX_FDS}"
             )
-        if self._fd_channel is None:
+        if session.fd_channel is None:
             # Kept open for the worker's life: its closing tells the daemon we are gone. Also
             # for GPU memory (no fds to send): the daemon then releases a dead worker's mappings,
             # and with them its GPU memory, at once instead of at its lease's end.
-            self._fd_channel = FdChannelClient(self.daemon.fd_socket, timeout=self.timeout_s)
-        tokens = self._fd_channel.send_all(sources)
+            session.fd_channel = FdChannelClient(
+                session.daemon.fd_socket, timeout=session.timeout_s
+            )
+        tokens = session.fd_channel.send_all(sources)
         return Register(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             protocol_version=PROTOCOL_VERSION,
             worker=reg.worker,
             tp_size=reg.tp_size,
@@ -153,24 +164,25 @@ class _Requests(_CacheRequests):
             fd_tokens=tokens[1:],
         )
 
-    def _register(
+    def register(
         self, reg: _Registration, timeout: float | None = None, *, remember: bool = True
     ) -> _Call[Registered, Registered]:
-        """Register ``reg``'s tensors.
+        """Build the registration of ``reg``'s tensors (their fds go now, on the fd channel).
 
         ``remember`` keeps them for a replay after a daemon restart (the replay itself does not).
         """
         req = self._prepare_register(reg)
+        session = self._session
 
         def finish(reply: Registered, frames: list[memoryview]) -> Registered:
             if remember:
-                self._registrations.append(reg)
-            self._track_gpu(reg, reply.worker)
-            return self._registered(reply)
+                session.registrations.append(reg)
+            session.track_gpu(reg, reply.worker)
+            return session.registered(reply)
 
         return _Call(req, Registered, finish, timeout=timeout)
 
-    def _grant(
+    def grant(
         self,
         grantee: str,
         owner: WorkerRef | None,
@@ -180,9 +192,10 @@ class _Requests(_CacheRequests):
         *,
         grantee_user: str = "",
     ) -> _Call[Ok, None]:
+        """Build a grant (or, neither ``read`` nor ``write``, a revocation)."""
         req = Grant(
-            id=self._codec.next_id(),
-            owner=owner or self.worker,
+            id=self._next_id(),
+            owner=owner or self._session.worker,
             grantee=grantee,
             read=read,
             write=write,
@@ -190,40 +203,43 @@ class _Requests(_CacheRequests):
         )
         return _Call(req, Ok, _nothing, timeout=timeout)
 
-    def _unregister(self, worker: WorkerRef | None, timeout: float | None) -> _Call[Ok, None]:
-        ref = worker or self.worker
-        req = Unregister(id=self._codec.next_id(), worker=ref, epoch=self.epochs.get(ref, 0))
+    def unregister(self, worker: WorkerRef | None, timeout: float | None) -> _Call[Ok, None]:
+        """Build the release of a worker (default: the client's); done, the client forgets it."""
+        session = self._session
+        ref = worker or session.worker
+        req = Unregister(id=self._next_id(), worker=ref, epoch=session.epochs.get(ref, 0))
 
         def finish(reply: Ok, frames: list[memoryview]) -> None:
-            self._cuda_syncs.pop(ref, None)
-            if ref in self.workers:
-                self.workers.remove(ref)
-            self._registrations = [r for r in self._registrations if r.worker != ref]
+            session.forget(ref)
 
         return _Call(req, Ok, finish, timeout=timeout)
 
-    def _heartbeat_request(self, refs: Sequence[WorkerRef]) -> Heartbeat:
-        epochs = [self.epochs.get(r, 0) for r in refs]
-        return Heartbeat(id=self._codec.next_id(), workers=list(refs), epochs=epochs)
+    def heartbeat_request(self, refs: Sequence[WorkerRef]) -> Heartbeat:
+        """Build the heartbeat of ``refs`` at their epochs (the heartbeat loops send it bare)."""
+        epochs = [self._session.epochs.get(r, 0) for r in refs]
+        return Heartbeat(id=self._next_id(), workers=list(refs), epochs=epochs)
 
-    def _heartbeat(
+    def heartbeat(
         self, workers: Sequence[WorkerRef] | None, timeout: float | None
     ) -> _Call[Ok, None]:
-        refs = list(self.workers if workers is None else workers)
-        return _Call(self._heartbeat_request(refs), Ok, _nothing, timeout=timeout)
+        """Build a lease renewal of ``workers`` (default: every worker registered here)."""
+        refs = list(self._session.workers if workers is None else workers)
+        return _Call(self.heartbeat_request(refs), Ok, _nothing, timeout=timeout)
 
-    def _host_alloc(
+    def host_alloc(
         self, engine_id: str, count: int, timeout: float | None
     ) -> _Call[HostAllocated, IdArray]:
-        req = HostAlloc(id=self._codec.next_id(), engine_id=engine_id, count=count)
+        """Build an allocation of host-pool block ids; its result is the ids."""
+        req = HostAlloc(id=self._next_id(), engine_id=engine_id, count=count)
         return _Call(req, HostAllocated, _alloc_ids, timeout=timeout)
 
-    def _host_free(self, engine_id: str, ids: Ids, timeout: float | None) -> _Call[Ok, None]:
+    def host_free(self, engine_id: str, ids: Ids, timeout: float | None) -> _Call[Ok, None]:
+        """Build the release of host-pool block ids."""
         arr = _as_id_array(ids)
-        req = HostFree(id=self._codec.next_id(), engine_id=engine_id, ids_dtype=_dtype_of(arr))
+        req = HostFree(id=self._next_id(), engine_id=engine_id, ids_dtype=_dtype_of(arr))
         return _Call(req, Ok, _nothing, (arr,), timeout)
 
-    def _move(
+    def move(
         self,
         src: BufferSetRef,
         dst: BufferSetRef,
@@ -234,13 +250,13 @@ class _Requests(_CacheRequests):
         request_ids: Sequence[str] = (),
         timeout: float | None = None,
     ) -> _Call[Moved, Moved]:
+        """Build a move; on this client's GPU memory it is ordered against the caller's stream."""
         s, d = _as_id_array(src_ids), _as_id_array(dst_ids)
         if s.dtype != d.dtype:
             s, d = s.astype(np.int64), d.astype(np.int64)
-        # GPU memory of this client's workers: order the move against the caller's stream.
-        sync = self._gpu_sync(src, dst) if self._cuda_syncs else None
+        sync = self._session.gpu_sync(src, dst) if self._cuda_syncs else None
         req = Move(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             src=self._stamp(src),
             dst=self._stamp(dst),
             layers=layers,
@@ -250,9 +266,10 @@ class _Requests(_CacheRequests):
         )
         return _Call(req, Moved, _reply if sync is None else _then(sync), (s, d), timeout)
 
-    def _move_batch(
+    def move_batch(
         self, moves: Sequence[BatchMove], checksum: bool | None, timeout: float | None
     ) -> _Call[MovedBatch, MovedBatch]:
+        """Build one command of many moves: their ids end to end in two frames."""
         items, src_parts, dst_parts = [], [], []
         for m in moves:
             s = _as_id_array(m.src_ids).astype(np.int64)
@@ -274,10 +291,10 @@ class _Requests(_CacheRequests):
             np.concatenate(src_parts) if src_parts else empty,
             np.concatenate(dst_parts) if dst_parts else empty,
         )
-        req = MoveBatch(id=self._codec.next_id(), items=items, checksum=checksum)
+        req = MoveBatch(id=self._next_id(), items=items, checksum=checksum)
         return _Call(req, MovedBatch, _reply, frames, timeout)
 
-    def _fix(
+    def fix_layout(
         self,
         target: BufferSetRef | WorkerRef,
         block_ids: Ids,
@@ -287,11 +304,12 @@ class _Requests(_CacheRequests):
         *,
         timeout: float | None,
     ) -> _Call[Fixed, Fixed]:
+        """Build the in-place rewrite of blocks copied raw from another layout."""
         if isinstance(target, WorkerRef):
             target = BufferSetRef(target)
         ids = _as_id_array(block_ids)
         req = FixLayout(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             target=self._stamp(target),
             remote=LayoutSpec(remote_memory_order, remote_block_size),
             layers=layers,
@@ -299,9 +317,7 @@ class _Requests(_CacheRequests):
         )
         return _Call(req, Fixed, _reply, (ids,), timeout)
 
-    # --- peer (node-to-node transfer) ---
-
-    def _pull(
+    def pull(
         self,
         engine_id: str,
         remote_endpoint: str,
@@ -317,9 +333,10 @@ class _Requests(_CacheRequests):
         timeout: float | None,
         prompt_digests: Mapping[str, str] | None = None,
     ) -> _Call[Pulled, Pulled]:
+        """Build a pull from another daemon; a rank's pull is ordered against its stream."""
         items, frames = _pull_frames(requests, remote_request_ids, prompt_digests)
         req = Pull(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             engine_id=engine_id,
             remote_endpoint=remote_endpoint,
             remote_engine_id=remote_engine_id,
@@ -331,14 +348,14 @@ class _Requests(_CacheRequests):
             plane=plane,
             events=None
             if tp_rank is None
-            else self._ready(BufferSetRef(WorkerRef(engine_id, tp_rank, pp_rank), medium)),
+            else self._session.ready(BufferSetRef(WorkerRef(engine_id, tp_rank, pp_rank), medium)),
         )
         # The daemon bounds the pull itself; wait a little longer for its verdict.
         if timeout is None:
-            timeout = self.timeout_s + (timeout_s if timeout_s > 0 else 60.0)
+            timeout = self._session.timeout_s + (timeout_s if timeout_s > 0 else 60.0)
         return _Call(req, Pulled, _reply, frames, timeout)
 
-    def _publish(
+    def publish(
         self,
         engine_id: str,
         request_id: str,
@@ -348,9 +365,10 @@ class _Requests(_CacheRequests):
         timeout: float | None,
         prompt_digest: str = "",
     ) -> _Call[Ok, None]:
+        """Build the hold of a request's blocks for remote readers."""
         arr = _as_id_array(ids)
         req = Publish(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             engine_id=engine_id,
             request_id=request_id,
             lease_s=lease_s,
@@ -359,17 +377,14 @@ class _Requests(_CacheRequests):
         )
         return _Call(req, Ok, _nothing, (arr,), timeout)
 
-    def _take_peer_events(
+    def take_peer_events(
         self, engine_id: str, timeout: float | None
     ) -> _Call[PeerEvents, list[PeerCompletion]]:
-        req = TakePeerEvents(id=self._codec.next_id(), engine_id=engine_id)
+        """Build the take of queued peer completion events; its result is the events."""
+        req = TakePeerEvents(id=self._next_id(), engine_id=engine_id)
         return _Call(req, PeerEvents, _events, timeout=timeout)
 
-    # --- end peer ---
-
-    # --- completion aggregation (kvsidecar/daemon/completions.py) ---
-
-    def _report(
+    def report(
         self,
         step: int,
         *,
@@ -384,15 +399,16 @@ class _Requests(_CacheRequests):
         kv_cache_events: CacheEvents | None,
         timeout: float | None,
     ) -> _Call[Reported, Reported]:
-        ref = worker or self.worker
+        """Build a worker's report of one step (at its registration's epoch unless given)."""
+        ref = worker or self._session.worker
         if epoch is None:
-            epoch = self.epochs.get(ref)
+            epoch = self._session.epochs.get(ref)
             if epoch is None:
                 raise SidecarError(
                     "unknown_worker", f"{ref.label()} was not registered by this client: pass epoch"
                 )
         req = Report(
-            id=self._codec.next_id(),
+            id=self._next_id(),
             worker=ref,
             epoch=epoch,
             step=step,
@@ -406,15 +422,15 @@ class _Requests(_CacheRequests):
         )
         return _Call(req, Reported, _reply, timeout=timeout)
 
-    def _collect(
+    def collect(
         self, engine_id: str, step: int, timeout_s: float, timeout: float | None
     ) -> _Call[Collected, Collected]:
-        req = Collect(id=self._codec.next_id(), engine_id=engine_id, step=step, timeout_s=timeout_s)
+        """Build the scheduler's collection of an engine's completions up to ``step``."""
+        req = Collect(id=self._next_id(), engine_id=engine_id, step=step, timeout_s=timeout_s)
         # The daemon bounds its wait; give the reply the call's own timeout on top.
-        wait = self.timeout_s + timeout_s if timeout is None else timeout
+        wait = self._session.timeout_s + timeout_s if timeout is None else timeout
         return _Call(req, Collected, _reply, timeout=wait)
 
-    # --- end completion aggregation ---
-
-    def _status(self, timeout: float | None) -> _Call[StatusReply, StatusReply]:
-        return _Call(Status(id=self._codec.next_id()), StatusReply, _reply, timeout=timeout)
+    def status(self, timeout: float | None) -> _Call[StatusReply, StatusReply]:
+        """Build the status query."""
+        return _Call(Status(id=self._next_id()), StatusReply, _reply, timeout=timeout)

@@ -1,25 +1,28 @@
 """The blocking client, `SidecarClient`: one socket, calls in turn, a heartbeat thread.
 
-This module is its public face: one typed method per command, each building its call with
-`kvsidecar.client.requests._Requests` and running it on the transport underneath
-(`kvsidecar.client.sync_transport`: socket, reconnection, heartbeat thread). Import it from
-`kvsidecar.client`.
+One typed method per command: build the call (`kvsidecar.client.requests`,
+`kvsidecar.client.cache_requests`), run it on the client's transport
+(`kvsidecar.client.sync_transport`: socket, submitted calls, reconnection, heartbeat thread),
+return its result. Import it from `kvsidecar.client`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import zmq
 
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.common import _Registration
+from kvsidecar.client.facade import _Facade
 from kvsidecar.client.requests import BatchMove
 from kvsidecar.client.sync_transport import Pending, _BlockingTransport
 from kvsidecar.core import layout
 from kvsidecar.wire.batch import MovedBatch
 from kvsidecar.wire.cache import CacheHits, CacheLoaded, CacheStored
+from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import (
     Collected,
@@ -37,7 +40,7 @@ from kvsidecar.wire.types import Arrangement, BufferSetRef, Medium, MemoryOrder,
 __all__ = ["Pending", "SidecarClient"]
 
 
-class SidecarClient(_BlockingTransport):
+class SidecarClient(_Facade):
     """Blocking client. Connects and says hello in the constructor; use as a context manager.
 
     ``timeout_s`` bounds every call (override per call with ``timeout=``); a call that times out
@@ -45,9 +48,45 @@ class SidecarClient(_BlockingTransport):
     renew the leases of registered workers from a background thread.
     """
 
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        name: str = "",
+        heartbeat: bool = True,
+        context: zmq.Context[Any] | None = None,
+        curve: tuple[bytes, KeyPair] | None = None,
+    ) -> None:
+        super().__init__(endpoint, timeout_s, name, curve)
+        self._transport = _BlockingTransport(
+            self._session, self._requests, heartbeat=heartbeat, context=context
+        )
+        # Bound once: every method ends in one of them.
+        self._run = self._transport.run
+        self._submit = self._transport.submit
+        self._transport.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the fd channel and the socket. Idempotent.
+
+        Closing the fd channel makes the daemon release the workers registered through it.
+        """
+        self._transport.close()
+
+    def reconnect(self, *, timeout: float | None = None) -> None:
+        """Reconnect to a restarted daemon and re-register every worker registered here.
+
+        Retries with exponential backoff (50 ms doubling to 2 s) for up to ``timeout`` seconds
+        (default: the client's ``timeout_s``); raises `SidecarError` ``connection_lost`` if the
+        daemon does not come back in time (the next call tries again). The tensors stay where
+        they are: they are exported again, with new epochs. Calls lock out meanwhile.
+        """
+        self._transport.reconnect(timeout=timeout)
+
     def hello(self, *, timeout: float | None = None) -> HelloReply:
         """Check protocol versions and learn the daemon's fd socket, lease and limits."""
-        return self._run(self._hello(timeout))
+        return self._run(self._requests.hello(timeout))
 
     def register_kv_caches(
         self,
@@ -88,8 +127,8 @@ class SidecarClient(_BlockingTransport):
             shape_order=shape_order,
             host_blocks=host_blocks,
         )
-        reply = self._run(self._register(reg, timeout))
-        self._keep_alive(reply.lease_s)
+        reply = self._run(self._requests.register(reg, timeout))
+        self._transport.keep_alive(reply.lease_s)
         return reply
 
     def grant(
@@ -108,25 +147,27 @@ class SidecarClient(_BlockingTransport):
         ``read=False, write=False`` revokes. ``grantee_user`` (``uid:<n>``): the user whose
         engine of that name is meant, when it is not the granting engine's own.
         """
-        self._run(self._grant(grantee, owner, read, write, timeout, grantee_user=grantee_user))
+        self._run(
+            self._requests.grant(grantee, owner, read, write, timeout, grantee_user=grantee_user)
+        )
 
     def unregister(self, worker: WorkerRef | None = None, *, timeout: float | None = None) -> None:
         """Release a worker's mappings and host mirror (default: this client's worker)."""
-        self._run(self._unregister(worker, timeout))
+        self._run(self._requests.unregister(worker, timeout))
 
     def heartbeat(
         self, workers: Sequence[WorkerRef] | None = None, *, timeout: float | None = None
     ) -> None:
         """Renew leases now (the background heartbeat does this on its own)."""
-        self._run(self._heartbeat(workers, timeout))
+        self._run(self._requests.heartbeat(workers, timeout))
 
     def host_alloc(self, engine_id: str, count: int, *, timeout: float | None = None) -> IdArray:
         """Allocate ``count`` host-pool block ids of an engine (all or nothing)."""
-        return self._run(self._host_alloc(engine_id, count, timeout))
+        return self._run(self._requests.host_alloc(engine_id, count, timeout))
 
     def host_free(self, engine_id: str, ids: Ids, *, timeout: float | None = None) -> None:
         """Free host-pool block ids of an engine (all checked first: nothing freed on error)."""
-        self._run(self._host_free(engine_id, ids, timeout))
+        self._run(self._requests.host_free(engine_id, ids, timeout))
 
     def move(
         self,
@@ -144,7 +185,7 @@ class SidecarClient(_BlockingTransport):
         ``request_ids``: the engine requests these blocks belong to; the daemon reports them as
         finished sending (device source) / receiving (device destination) for the workers.
         """
-        call = self._move(
+        call = self._requests.move(
             src, dst, src_ids, dst_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return self._run(call)
@@ -162,7 +203,7 @@ class SidecarClient(_BlockingTransport):
         `MoveResult` per move, in order, with ``error_code`` set on those that failed (the
         others ran). The moves run in order, so a later move sees what an earlier one wrote.
         """
-        return self._run(self._move_batch(moves, checksum, timeout))
+        return self._run(self._requests.move_batch(moves, checksum, timeout))
 
     def offload(
         self,
@@ -176,7 +217,7 @@ class SidecarClient(_BlockingTransport):
     ) -> Moved:
         """Copy a worker's blocks into its host mirror (device -> host)."""
         src, dst = BufferSetRef(worker, "device"), BufferSetRef(worker, "host")
-        call = self._move(
+        call = self._requests.move(
             src, dst, device_ids, host_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return self._run(call)
@@ -193,7 +234,7 @@ class SidecarClient(_BlockingTransport):
     ) -> Moved:
         """Copy blocks from a worker's host mirror back into its KV cache (host -> device)."""
         src, dst = BufferSetRef(worker, "host"), BufferSetRef(worker, "device")
-        call = self._move(
+        call = self._requests.move(
             src, dst, host_ids, device_ids, layers, request_ids=request_ids, timeout=timeout
         )
         return self._run(call)
@@ -209,12 +250,10 @@ class SidecarClient(_BlockingTransport):
         timeout: float | None = None,
     ) -> Fixed:
         """Rewrite blocks that a raw copy filled in another layout into the registered one."""
-        call = self._fix(
+        call = self._requests.fix_layout(
             target, block_ids, remote_memory_order, remote_block_size, layers, timeout=timeout
         )
         return self._run(call)
-
-    # --- peer (node-to-node transfer) ---
 
     def pull(
         self,
@@ -239,7 +278,7 @@ class SidecarClient(_BlockingTransport):
         ``timeout_s`` bounds it on the daemon (0: its ``peer_pull_timeout_s``). An incompatible
         peer raises `SidecarError` ``incompatible_peer`` naming the mismatch.
         """
-        call = self._pull(
+        call = self._requests.pull(
             engine_id,
             remote_endpoint,
             remote_engine_id,
@@ -267,7 +306,7 @@ class SidecarClient(_BlockingTransport):
     ) -> None:
         """Hold a request's blocks for remote readers (producer side; see `Publish`)."""
         self._run(
-            self._publish(
+            self._requests.publish(
                 engine_id,
                 request_id,
                 block_ids,
@@ -281,11 +320,7 @@ class SidecarClient(_BlockingTransport):
         self, engine_id: str = "", *, timeout: float | None = None
     ) -> list[PeerCompletion]:
         """Take the queued peer completion events (finished/failed sending and receiving)."""
-        return self._run(self._take_peer_events(engine_id, timeout))
-
-    # --- end peer ---
-
-    # --- completion aggregation ---
+        return self._run(self._requests.take_peer_events(engine_id, timeout))
 
     def report(
         self,
@@ -308,7 +343,7 @@ class SidecarClient(_BlockingTransport):
         retry: a copy of a counted report is acknowledged as a duplicate. ``step_collected``
         means the scheduler has collected that step: send the same content with the next step.
         """
-        call = self._report(
+        call = self._requests.report(
             step,
             worker=worker,
             epoch=epoch,
@@ -332,11 +367,7 @@ class SidecarClient(_BlockingTransport):
         ``.output`` is the `AggregatedOutput`. Collecting the same step again returns the same
         answer, so a retry loses nothing.
         """
-        return self._run(self._collect(engine_id, step, timeout_s, timeout))
-
-    # --- end completion aggregation ---
-
-    # --- prefix cache and connectors (docs/vllm.md) ---
+        return self._run(self._requests.collect(engine_id, step, timeout_s, timeout))
 
     def cache_lookup(
         self,
@@ -349,7 +380,9 @@ class SidecarClient(_BlockingTransport):
         loads: int = 1,
     ) -> CacheHits:
         """Count (and with ``pin_s`` > 0 pin) the leading ``keys`` held (`CacheLookup`)."""
-        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        call = self._cache_requests.cache_lookup(
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+        )
         return self._run(call)
 
     def submit_cache_lookup(
@@ -363,7 +396,9 @@ class SidecarClient(_BlockingTransport):
         loads: int = 1,
     ) -> Pending[CacheHits]:
         """Start a `cache_lookup` and return at once."""
-        call = self._cache_lookup(fingerprint, keys, tp_size, pin_s, timeout, loads=loads)
+        call = self._cache_requests.cache_lookup(
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+        )
         return self._submit(call)
 
     def submit_cache_store(
@@ -383,7 +418,7 @@ class SidecarClient(_BlockingTransport):
         a copy that ends later is thrown away. ``capacity_bytes``: the namespace's size if this
         store creates it (0: the daemon's share).
         """
-        call = self._cache_store(
+        call = self._cache_requests.cache_store(
             fingerprint,
             keys,
             block_ids,
@@ -411,7 +446,7 @@ class SidecarClient(_BlockingTransport):
         ``not_after``: ``time.monotonic()`` after which the copy must not start (the caller has
         given up waiting and may reuse the blocks).
         """
-        call = self._cache_load(
+        call = self._cache_requests.cache_load(
             fingerprint,
             keys,
             block_ids,
@@ -437,7 +472,7 @@ class SidecarClient(_BlockingTransport):
         prompt_digests: Mapping[str, str] | None = None,
     ) -> Pending[Pulled]:
         """Start a `pull` and return at once (``remote_endpoint`` "": from this node's daemon)."""
-        call = self._pull(
+        call = self._requests.pull(
             engine_id,
             remote_endpoint,
             remote_engine_id,
@@ -457,13 +492,13 @@ class SidecarClient(_BlockingTransport):
         self, worker: WorkerRef | None = None, *, timeout: float | None = None
     ) -> list[PeerCompletion]:
         """Take the completion events credited to a worker (default: this client's; subscribes)."""
-        return self._run(self._take_worker_events(worker, timeout))
+        return self._run(self._cache_requests.take_worker_events(worker, timeout))
 
     def submit_take_worker_events(
         self, worker: WorkerRef | None = None, *, timeout: float | None = None
     ) -> Pending[list[PeerCompletion]]:
         """Start a `take_worker_events` and return at once."""
-        return self._submit(self._take_worker_events(worker, timeout))
+        return self._submit(self._cache_requests.take_worker_events(worker, timeout))
 
     def submit_publish(
         self,
@@ -476,7 +511,7 @@ class SidecarClient(_BlockingTransport):
         prompt_digest: str = "",
     ) -> Pending[None]:
         """Start a `publish` and return at once."""
-        call = self._publish(
+        call = self._requests.publish(
             engine_id,
             request_id,
             block_ids,
@@ -486,11 +521,9 @@ class SidecarClient(_BlockingTransport):
         )
         return self._submit(call)
 
-    # --- end prefix cache ---
-
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """Return the daemon's engines, workers, buffers, host pool, in-flight moves and totals."""
-        return self._run(self._status(timeout))
+        return self._run(self._requests.status(timeout))
 
     def __enter__(self) -> SidecarClient:
         return self

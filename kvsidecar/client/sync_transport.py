@@ -1,9 +1,10 @@
 """How `SidecarClient` carries its calls, and keeps its daemon.
 
-One DEALER socket, one call at a time: send, then poll the socket and the fd channel until the
-reply with the call's id comes (late replies to calls that timed out are dropped), the daemon's
-death shows, or the timeout passes. Reconnection after a daemon restart, and the heartbeat thread
-(its own socket).
+`_BlockingTransport` is held by the client beside its request builders, and works on the same
+`_Session`. One DEALER socket, one call at a time: send, then poll the socket and the fd channel
+until the reply with the call's id comes (late replies to calls that timed out are dropped), the
+daemon's death shows, or the timeout passes. Reconnection after a daemon restart, and the
+heartbeat thread (its own socket).
 
 A call may also be *submitted* (`Pending`): sent at once, its reply collected later by polling,
 so that an engine worker starts a copy and carries on with its forward pass. Replies are routed
@@ -23,10 +24,10 @@ import zmq
 
 from kvsidecar.client.calls import _Call
 from kvsidecar.client.codec import R, T, _check
+from kvsidecar.client.common import _Session
 from kvsidecar.client.requests import _Requests
 from kvsidecar.memory.fd_client import FdChannelClient
 from kvsidecar.wire import zmqio
-from kvsidecar.wire.curve import KeyPair
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import Error, Reply, Request
 
@@ -37,7 +38,7 @@ SUBMIT_LOCK_WAIT_S = 0.05
 step is not held up by a daemon that is away (the submit fails with ``connection_lost``)."""
 
 PUMP_SLICE_S = 0.05
-"""Longest a wait for submitted calls holds the socket at one time (`_BlockingTransport._pump`)."""
+"""Longest a wait for submitted calls holds the socket at one time (`_BlockingTransport.pump`)."""
 
 
 class Pending(Generic[T]):
@@ -60,7 +61,7 @@ class Pending(Generic[T]):
     def done(self) -> bool:
         """Whether the call has settled, reading any reply that arrived (never blocks long)."""
         if not self._settled:
-            self._transport._pump(0.0)
+            self._transport.pump(0.0)
         return self._settled
 
     def wait(self, timeout: float) -> bool:
@@ -68,7 +69,7 @@ class Pending(Generic[T]):
         end = time.monotonic() + max(0.0, timeout)
         while not self._settled:
             left = end - time.monotonic()
-            self._transport._pump(max(0.0, left))
+            self._transport.pump(max(0.0, left))
             if left <= 0:
                 break
         return self._settled
@@ -76,7 +77,7 @@ class Pending(Generic[T]):
     def result(self) -> T:
         """Return the call's result, waiting (at most until its deadline); raise its error."""
         while not self._settled:
-            self._transport._pump(max(0.0, self.deadline - time.monotonic()) + 0.001)
+            self._transport.pump(max(0.0, self.deadline - time.monotonic()) + 0.001)
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -95,20 +96,26 @@ class Pending(Generic[T]):
         self._error = error
 
 
-class _BlockingTransport(_Requests):
-    """The blocking transport under `SidecarClient`: connects and says hello when made."""
+class _BlockingTransport:
+    """The blocking transport of a `SidecarClient`: its socket, its submitted calls, its heartbeat.
+
+    ``requests`` builds what the transport sends by itself: hellos, the registrations replayed
+    on a restarted daemon, and heartbeats.
+    """
 
     def __init__(
         self,
-        endpoint: str | None = None,
+        session: _Session,
+        requests: _Requests,
         *,
-        timeout_s: float = 10.0,
-        name: str = "",
-        heartbeat: bool = True,
-        context: zmq.Context[Any] | None = None,
-        curve: tuple[bytes, KeyPair] | None = None,
+        heartbeat: bool,
+        context: zmq.Context[Any] | None,
     ) -> None:
-        super().__init__(endpoint, timeout_s, name, curve)
+        self._session = session
+        self._requests = requests
+        # Bound once: every call encodes its request and decodes its reply.
+        self._encode = session.codec.encoder.encode
+        self._decode = session.codec.decode
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any] = self._new_socket()
         self._heartbeat_enabled = heartbeat
@@ -122,43 +129,51 @@ class _BlockingTransport(_Requests):
         self._poller: zmq.Poller | None = None
         self._polled: tuple[zmq.Socket[Any], FdChannelClient | None] | None = None
         """What `_reply_poller`'s poller watches."""
+
+    def start(self) -> None:
+        """Say hello (the socket connected when made); on failure close, and raise."""
         try:
-            self.daemon = self._run(self._hello(None))
+            self._session.daemon = self.run(self._requests.hello(None))
         except BaseException:
             self.close()
             raise
 
-    def _call(
+    def call(
         self,
         req: Request,
         expected: type[R],
         data: Sequence[Any] = (),
         timeout: float | None = None,
     ) -> tuple[R, list[memoryview]]:
+        """Send ``req`` and wait for its reply, checked against ``expected``, and its frames.
+
+        A daemon known to be away is reconnected first. Replies to other calls that come
+        meanwhile go to their submitted calls (or, late, are dropped).
+        """
         if self._closed:
             raise SidecarError("internal", "the client is closed")
+        session = self._session
         with self._lock:
-            if self._lost or self._daemon_gone():
-                self._lost = True
+            if session.lost or session.daemon_gone():
+                session.lost = True
                 self.reconnect()  # raises connection_lost while the daemon stays away
-            # pyzmq's send_multipart computes flag enums per frame: a few µs of every call.
-            zmqio.send_frames(
-                self._sock, [self._codec.encoder.encode(req), *data], copy=False, block=True
-            )
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+            # One send of all frames (`zmqio.send_frames`), not pyzmq's send_multipart, which
+            # works out each frame's flags anew.
+            zmqio.send_frames(self._sock, [self._encode(req), *data], copy=False, block=True)
+            deadline = time.monotonic() + (session.timeout_s if timeout is None else timeout)
             poller = self._reply_poller()
             while True:
                 left = deadline - time.monotonic()
                 ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
                 if self._sock not in ready:
-                    if ready and self._daemon_gone():
-                        self._lost = True
-                        raise self._lost_error(type(req).__name__, req.id)
+                    if ready and session.daemon_gone():
+                        session.lost = True
+                        raise session.lost_error(type(req).__name__, req.id)
                     if time.monotonic() >= deadline:
-                        raise self._timeout_error(req)
+                        raise session.timeout_error(req)
                     continue
                 # All of a message is there once its first frame is: read without blocking.
-                reply, frames = self._codec.decode(zmqio.recv_frames(self._sock))
+                reply, frames = self._decode(zmqio.recv_frames(self._sock))
                 if reply.id == req.id or (reply.id == 0 and isinstance(reply, Error)):
                     return _check(reply, expected), frames
                 self._route(reply, frames)  # a submitted call's, or a late one: dropped
@@ -166,10 +181,10 @@ class _BlockingTransport(_Requests):
     def _reply_poller(self) -> zmq.Poller:
         """Return the poller a call waits on: the socket, and the fd channel once there is one.
 
-        Kept while both stay the same (a reconnection or a registration changes them): making
-        one per call cost a few µs of every round trip.
+        Kept while both stay the same (a reconnection or a registration changes them), so that a
+        call does not make and register a poller of its own.
         """
-        sock, channel = self._sock, self._fd_channel
+        sock, channel = self._sock, self._session.fd_channel
         if self._poller is None or self._polled != (sock, channel):
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
@@ -178,13 +193,12 @@ class _BlockingTransport(_Requests):
             self._polled = (sock, channel)
         return self._poller
 
-    def _run(self, call: _Call[R, T]) -> T:
-        reply, frames = self._call(call.req, call.expected, call.data, call.timeout)
+    def run(self, call: _Call[R, T]) -> T:
+        """Carry ``call`` and return its result (what its ``finish`` makes of the reply)."""
+        reply, frames = self.call(call.req, call.expected, call.data, call.timeout)
         return call.finish(reply, frames)
 
-    # -- submitted calls (`Pending`)
-
-    def _submit(self, call: _Call[R, T]) -> Pending[T]:
+    def submit(self, call: _Call[R, T]) -> Pending[T]:
         """Send ``call`` now and return its `Pending`; never reconnects (the heartbeat does).
 
         Raises `SidecarError` ``connection_lost`` at once when the daemon is known to be away
@@ -197,12 +211,13 @@ class _BlockingTransport(_Requests):
         if not self._lock.acquire(timeout=SUBMIT_LOCK_WAIT_S):
             raise SidecarError("connection_lost", "the client is reconnecting to its daemon")
         try:
-            if self._lost:
+            session = self._session
+            if session.lost:
                 raise SidecarError("connection_lost", "the daemon went away; reconnecting")
-            timeout = self.timeout_s if call.timeout is None else call.timeout
+            timeout = session.timeout_s if call.timeout is None else call.timeout
             pending = Pending(self, call, time.monotonic() + timeout)
             self._pending[call.req.id] = pending
-            frames = [self._codec.encoder.encode(call.req), *call.data]
+            frames = [self._encode(call.req), *call.data]
             zmqio.send_frames(self._sock, frames, copy=False, block=True)
             return pending
         finally:
@@ -220,7 +235,7 @@ class _BlockingTransport(_Requests):
         for p in pending.values():
             p._settle(None, [], make(p))
 
-    def _pump(self, wait: float) -> None:
+    def pump(self, wait: float) -> None:
         """Read replies for submitted calls for up to ``wait`` seconds; settle what ended.
 
         The socket is held in slices of at most `PUMP_SLICE_S`, so that the heartbeat thread
@@ -238,71 +253,65 @@ class _BlockingTransport(_Requests):
                 return
 
     def _pump_slice(self, wait: float) -> None:
-        """One slice of `_pump`, under the lock: fail what ended, then read what arrives.
+        """One slice of `pump`, under the lock: fail what ended, then read what arrives.
 
         One poll watches the socket and the fd channel. The daemon never writes on the channel,
         so it is read (to learn whether the daemon closed it) only when it polled readable: a
         poll that finds nothing costs one system call, which is most of a step's share.
         """
+        session = self._session
         now = time.monotonic()
         for p in [p for p in self._pending.values() if p.deadline <= now]:
             del self._pending[p.request_id]
-            p._settle(None, [], self._timeout_error(p._call.req))
+            p._settle(None, [], session.timeout_error(p._call.req))
         if not self._pending:
             return
         ready = dict(self._reply_poller().poll(int(wait * 1000)))
-        channel = self._fd_channel
-        if channel is not None and channel.fileno() in ready and self._daemon_gone():
-            self._lost = True
-            self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
+        channel = session.fd_channel
+        if channel is not None and channel.fileno() in ready and session.daemon_gone():
+            session.lost = True
+            self._fail_pending(lambda p: session.lost_error("a submitted call", p.request_id))
             return
         if self._sock not in ready:
             return
         # Asking the socket's events costs no system call; a receive that finds nothing would.
         while zmqio.readable(self._sock):
-            reply, frames = self._codec.decode(zmqio.recv_frames(self._sock))
+            reply, frames = self._decode(zmqio.recv_frames(self._sock))
             self._route(reply, frames)
-
-    # -- reliability: reconnect after a daemon restart
 
     def _new_socket(self) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        self._secure(sock)
-        sock.connect(self.endpoint)
+        self._session.secure(sock)
+        sock.connect(self._session.endpoint)
         return sock
 
     def reconnect(self, *, timeout: float | None = None) -> None:
-        """Reconnect to a restarted daemon and re-register every worker registered here.
-
-        Retries with exponential backoff (50 ms doubling to 2 s) for up to ``timeout`` seconds
-        (default: the client's ``timeout_s``); raises `SidecarError` ``connection_lost`` if the
-        daemon does not come back in time (the next call tries again). The tensors stay where
-        they are: they are exported again, with new epochs. Calls lock out meanwhile.
-        """
+        """Reconnect to a restarted daemon and re-register; see `SidecarClient.reconnect`."""
+        session, requests = self._session, self._requests
         with self._lock:
-            backoff = self._start_reconnect(timeout)
+            backoff = session.start_reconnect(timeout)
             # Submitted calls cannot be answered on the new socket: their outcome is unknown.
-            self._fail_pending(lambda p: self._lost_error("a submitted call", p.request_id))
+            self._fail_pending(lambda p: session.lost_error("a submitted call", p.request_id))
             while True:
                 # A fresh socket: nothing queued for the dead daemon is sent to the new one.
                 self._sock.close(linger=0)
                 self._sock = self._new_socket()
                 try:
-                    self.daemon = self._run(self._hello(backoff.hello_timeout()))
+                    session.daemon = self.run(requests.hello(backoff.hello_timeout()))
                     break
                 except SidecarError as exc:
-                    time.sleep(self._retry_pause(backoff, exc))
-            self._forget_workers()
+                    time.sleep(session.retry_pause(backoff, exc))
+            session.forget_workers()
             try:
-                for reg in self._registrations:
-                    self._run(self._register(reg, remember=False))
+                for reg in session.registrations:
+                    self.run(requests.register(reg, remember=False))
             except SidecarError:
-                self._lost = True  # try again on the next call
+                session.lost = True  # try again on the next call
                 raise
-            self._reconnected()
+            session.reconnected()
 
-    def _keep_alive(self, lease_s: float) -> None:
+    def keep_alive(self, lease_s: float) -> None:
         """After a registration: renew its lease from a background thread."""
         if not self._heartbeat_enabled or self._hb_thread is not None:
             return
@@ -316,22 +325,24 @@ class _BlockingTransport(_Requests):
 
     def _heartbeat_loop(self, interval: float) -> None:
         # Its own socket: zmq sockets must not be shared between threads.
+        session = self._session
         sock = self._new_socket()
         try:
             while not self._hb_stop.wait(interval):
                 forgotten = False
                 # Drain replies; an unknown_worker means the daemon forgot us (restart).
                 while sock.poll(0, zmq.POLLIN):
-                    reply, _ = self._codec.decode(sock.recv_multipart())
+                    reply, _ = self._decode(sock.recv_multipart())
                     if isinstance(reply, Error):
                         log.warning("heartbeat refused: %s %s", reply.code, reply.message)
                         forgotten |= reply.code in ("unknown_worker", "unknown_engine")
-                if (forgotten or self._lost or self._daemon_gone()) and self._registrations:
+                gone = forgotten or session.lost or session.daemon_gone()
+                if gone and session.registrations:
                     self._reconnect_from_heartbeat(interval)
                     continue
                 with self._lock:
-                    req = self._heartbeat_request(list(self.workers))
-                sock.send(self._codec.encoder.encode(req))
+                    req = self._requests.heartbeat_request(list(session.workers))
+                sock.send(self._encode(req))
         finally:
             sock.close(linger=0)
 
@@ -341,7 +352,7 @@ class _BlockingTransport(_Requests):
         if not self._lock.acquire(timeout=interval):
             return
         try:
-            self._lost = True
+            self._session.lost = True
             self.reconnect(timeout=interval)
         except SidecarError as exc:
             log.info("daemon not back yet: %s", exc)
@@ -349,15 +360,12 @@ class _BlockingTransport(_Requests):
             self._lock.release()
 
     def close(self) -> None:
-        """Stop the heartbeat, close the fd channel and the socket. Idempotent.
-
-        Closing the fd channel makes the daemon release the workers registered through it.
-        """
+        """Stop the heartbeat, close the fd channel and the socket. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
-        self._close_fd_channel()
+        self._session.close_fd_channel()
         self._sock.close(linger=0)

@@ -166,7 +166,7 @@ def events(endpoint: str, device: torch.device) -> dict[str, Any]:
     with SidecarClient(endpoint, timeout_s=60, heartbeat=False) as client:
         w = register(client, a, "E", host_blocks=8)
         host = [int(i) for i in client.host_alloc("E", 4)]
-        gpu = client._cuda_syncs.get(w) is not None
+        gpu = client._session.cuda_syncs.get(w) is not None
         # The offload is sent while the sleep kernel still runs and the fill waits behind it.
         sleep_then_fill(a, [1, 2], 7.0, 0.5)
         started = time.monotonic()
@@ -177,11 +177,11 @@ def events(endpoint: str, device: torch.device) -> dict[str, Any]:
         seen = [t[:, [5, 6]].clone() for t in a]
         ok = all(bool((s == 7.0).all()) for s in seen)
         # Control without events: the daemon's copy does not wait for the caller's stream.
-        syncs = dict(client._cuda_syncs)
-        client._cuda_syncs.clear()
+        syncs = dict(client._session.cuda_syncs)
+        client._session.cuda_syncs.clear()
         sleep_then_fill(a, [3], 9.0, 0.5)
         client.offload(w, [3], host[2:3])
-        client._cuda_syncs.update(syncs)
+        client._session.cuda_syncs.update(syncs)
         client.onboard(w, host[2:3], [7])
         stale = not all(bool((t[:, 7] == 9.0).all()) for t in a)
         sync(device)
@@ -289,7 +289,7 @@ def connector(endpoint: str, device: torch.device) -> dict[str, Any]:
     details: list[str] = []
     try:
         client = sa._client()
-        gpu = client._cuda_syncs.get(client.worker) is not None
+        gpu = client._session.cuda_syncs.get(client.worker) is not None
         keys = [bytes([i]) * 32 for i in (1, 2)]
         write_behind_a_kernel(a, [1, 2, 3, 4], seed=1)
         sa.store(StepPlan(1, "fp", stores=[StoreSpec(keys, [1, 2], "r")]))  # no synchronise
@@ -311,12 +311,12 @@ def connector(endpoint: str, device: torch.device) -> dict[str, Any]:
         pulled = pulled and torch.equal(kv_tokens(c, [0, 1]), kv_tokens(a, [1, 2, 3, 4]))
         details.append(f"pulled into HND blocks of 32: {'right' if pulled else 'WRONG'}")
         # Control without events: the store does not wait for the caller's stream.
-        syncs = dict(client._cuda_syncs)
-        client._cuda_syncs.clear()
+        syncs = dict(client._session.cuda_syncs)
+        client._session.cuda_syncs.clear()
         write_behind_a_kernel(a, [7], seed=2)
         sa.store(StepPlan(2, "fp", stores=[StoreSpec([b"\x03" * 32], [7], "s")]))
         sa.fence(["s"])
-        client._cuda_syncs.update(syncs)
+        client._session.cuda_syncs.update(syncs)
         sb.start_loads(StepPlan(2, "fp", loads=[LoadSpec("s", [b"\x03" * 32], [8])]))
         stale = not torch.equal(kv_tokens(b, [8]), kv_tokens(a, [7]))
         details.append(f"control without events read {'stale' if stale else 'current'} data")
