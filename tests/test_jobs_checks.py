@@ -1,4 +1,4 @@
-"""The id checks of moves and fixes (kvsidecar/daemon/jobs.py), on each of their paths.
+"""The id checks of moves and fixes (kvsidecar/node/jobs.py), on each of their paths.
 
 The duplicate-id check: a handful of ids (a Python set), many ids for a small buffer (one flag
 per block), and few ids for a large buffer (a sort): each must refuse exactly the id lists that
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.daemon.jobs import _check_ids, _check_unique, fine_small
-from kvsidecar.daemon.registry import BufferSet
+from kvsidecar.node.jobs import _check_ids, _check_unique, fine_small
+from kvsidecar.node.registry import BufferSet
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import WorkerRef
 

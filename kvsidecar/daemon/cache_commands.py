@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
-from kvsidecar.daemon.cache import Namespace, PrefixCache, slot_ids, split_keys, worker_of
+from kvsidecar.daemon.cache.prefix import Namespace, PrefixCache, slot_ids, split_keys, worker_of
 from kvsidecar.daemon.commands import Commands, ReplySink
-from kvsidecar.daemon.copy_events import cuda_devices, event_device
-from kvsidecar.daemon.jobs import Job, move_job
+from kvsidecar.node.copy_events import cuda_devices, event_device
+from kvsidecar.node.jobs import Job, move_job
 from kvsidecar.wire.cache import (
     CacheHits,
     CacheLoad,

@@ -17,17 +17,17 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from kvsidecar import __version__
-from kvsidecar.daemon.admission import Admission  # reliability
-from kvsidecar.daemon.batch import PreparedBatch, prepare_batch
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.jobs import Job, prepare_move
-from kvsidecar.daemon.metrics import LayoutFixKind, MoveKind
-from kvsidecar.daemon.observability import Observability, move_fix_kind, move_kind
-from kvsidecar.daemon.registry import Registry, Worker
+from kvsidecar.daemon.limits.admission import Admission  # reliability
+from kvsidecar.daemon.metrics.families import LayoutFixKind, MoveKind
+from kvsidecar.daemon.metrics.observability import Observability, move_fix_kind, move_kind
 from kvsidecar.memory.base import HandleError
 from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.batch import PreparedBatch, prepare_batch
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.jobs import Job, prepare_move
+from kvsidecar.node.registry import Registry, Worker
 from kvsidecar.wire.batch import MoveBatch, MovedBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids, encode_ids

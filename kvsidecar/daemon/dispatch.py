@@ -13,15 +13,15 @@ from typing import Any
 
 import msgspec
 
-from kvsidecar.daemon.access import Principal  # security
+from kvsidecar.daemon.cache.worker_events import WorkerEvents
 from kvsidecar.daemon.cache_commands import CacheCommands
 from kvsidecar.daemon.edge import Dispatched, ReplyTo
-from kvsidecar.daemon.jobs import prepare_fix
-from kvsidecar.daemon.metrics import MoveKind
+from kvsidecar.daemon.limits.access import Principal  # security
+from kvsidecar.daemon.metrics.families import MoveKind
 from kvsidecar.daemon.registration import Registration, _check_version
-from kvsidecar.daemon.registry import check_epoch
 from kvsidecar.daemon.short_moves import ShortMoves
-from kvsidecar.daemon.worker_events import WorkerEvents
+from kvsidecar.node.jobs import prepare_fix
+from kvsidecar.node.registry import check_epoch
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents

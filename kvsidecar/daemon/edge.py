@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvsidecar.daemon.access import AccessControl, Principal, authorize
 from kvsidecar.daemon.commands import reply_of
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
-from kvsidecar.daemon.observability import Observability
-from kvsidecar.daemon.replies import ReplyBudget
+from kvsidecar.daemon.limits.access import AccessControl, Principal, authorize
+from kvsidecar.daemon.metrics.observability import Observability
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor, call_soon_from_thread
+from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore

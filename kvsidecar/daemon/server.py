@@ -44,34 +44,34 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl  # security
-from kvsidecar.daemon.admission import Admission  # reliability
-from kvsidecar.daemon.auth import (
+from kvsidecar.daemon.cache.prefix import PrefixCache  # prefix cache
+from kvsidecar.daemon.cache.worker_events import WorkerEvents
+from kvsidecar.daemon.completions import CompletionService
+from kvsidecar.daemon.dispatch import Dispatch
+from kvsidecar.daemon.gpu import check_cuda
+from kvsidecar.daemon.limits.access import AccessControl  # security
+from kvsidecar.daemon.limits.admission import Admission  # reliability
+from kvsidecar.daemon.limits.connections import ConnectionCount
+from kvsidecar.daemon.metrics.observability import Observability, readiness, snapshot
+from kvsidecar.daemon.metrics.server import Readiness
+from kvsidecar.daemon.metrics.state import StateSnapshot
+from kvsidecar.daemon.registration import daemon_capabilities
+from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
+from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
+from kvsidecar.memory.fd_channel import FdChannelServer
+from kvsidecar.memory.fd_limits import raise_fd_limit
+from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.auth import (
     CONTROL_DOMAIN,
     ZapHandler,
     close_zap_and_context,
     control_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.cache import PrefixCache  # prefix cache
-from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.connections import ConnectionCount
-from kvsidecar.daemon.dispatch import Dispatch
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.gpu import check_cuda
-from kvsidecar.daemon.metrics_server import Readiness
-from kvsidecar.daemon.metrics_state import StateSnapshot
-from kvsidecar.daemon.observability import Observability, readiness, snapshot
-from kvsidecar.daemon.registration import daemon_capabilities
-from kvsidecar.daemon.registry import Registry
-from kvsidecar.daemon.replies import ReplyBudget
-from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
-from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
-from kvsidecar.daemon.worker_events import WorkerEvents
-from kvsidecar.memory.fd_channel import FdChannelServer
-from kvsidecar.memory.fd_limits import raise_fd_limit
-from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import Registry
+from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.peer.service import PeerService  # peer
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.protocol import (

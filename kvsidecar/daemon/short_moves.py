@@ -31,10 +31,10 @@ import time
 import zmq
 
 from kvsidecar.core import copier, mover
-from kvsidecar.daemon.access import authorize
 from kvsidecar.daemon.commands import Commands
 from kvsidecar.daemon.edge import Edge
-from kvsidecar.daemon.jobs import INLINE_MAX_BYTES, fine_small, plain_pair
+from kvsidecar.daemon.limits.access import authorize
+from kvsidecar.node.jobs import INLINE_MAX_BYTES, fine_small, plain_pair
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import Move, Moved
 

@@ -27,8 +27,8 @@ import torch
 
 from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received, needs_fix
-from kvsidecar.daemon.copy_events import on_copy_streams
-from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
+from kvsidecar.node.copy_events import on_copy_streams
+from kvsidecar.node.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import FixLayout, Move

@@ -14,7 +14,7 @@ from the producer's registered memory into the consumer's. So a `Pull` whose
 
 Only published requests are read (`kvsidecar.peer.producer.Producer.readable`): the producer said
 these blocks may go to a consumer, and they are held until read or until the lease ends. Who may
-pull locally from whom is decided before (`kvsidecar.daemon.access`: the same user only).
+pull locally from whom is decided before (`kvsidecar.daemon.limits.access`: the same user only).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.registry import LayerBuffer, Registry
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import LayerBuffer, Registry
 from kvsidecar.peer.link import Dest, PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.messages import Notify, PeerError, PeerHello, PeerReply, PeerRequest
 from kvsidecar.peer.plan import ReadPlan

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.registry import Engine, Registry
+from kvsidecar.node.config import Config
+from kvsidecar.node.registry import Engine, Registry
 from kvsidecar.peer.messages import Claim, Notify, PeerError, ReadBlocks, Verdict
 from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read

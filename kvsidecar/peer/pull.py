@@ -6,7 +6,7 @@ sent); `PeerPull.run` takes its steps, bounded by its timeout (a dead or silent 
 1. handshake: `PeerHello` -> `PeerWelcome` with the remote daemon; the data plane is chosen;
 2. plan: the compatibility check (``incompatible_peer`` naming the mismatch, before any byte
    moves) and every local rank's reads (`kvsidecar.peer.plan`);
-3. transfer, once the caller's ready event has passed (`kvsidecar.daemon.copy_events`), each
+3. transfer, once the caller's ready event has passed (`kvsidecar.node.copy_events`), each
    request on its own: the reads, the layout fixes on the copy executor, the notifications;
 4. completion: one `PeerCompletion` (finished and failed requests, the failed ones' local blocks
    invalid) and the `Pulled` reply. A pull that fails before any read fails every request.
@@ -24,11 +24,11 @@ import numpy as np
 import torch
 import zmq
 
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.copy_events import ready_of, ready_passed
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.jobs import fix_layers
-from kvsidecar.daemon.registry import BufferSet, Engine, Worker
+from kvsidecar.node.config import Config
+from kvsidecar.node.copy_events import ready_of, ready_passed
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.jobs import fix_layers
+from kvsidecar.node.registry import BufferSet, Engine, Worker
 from kvsidecar.peer.handshake import IncompatiblePeer, check_compatible, describe_engine
 from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.local import LOCAL_PLANE

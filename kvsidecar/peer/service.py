@@ -34,7 +34,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar.daemon.auth import (  # security
+from kvsidecar.node.auth import (  # security
     PEER_DOMAIN,
     Transport,
     ZapHandler,
@@ -43,10 +43,10 @@ from kvsidecar.daemon.auth import (  # security
     peer_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.registry import Registry, Worker
-from kvsidecar.daemon.replies import ReplyBudget
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import Registry, Worker
+from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
 from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
