@@ -45,7 +45,7 @@ STEPS = [
     ("kvsidecar.daemon.commands", "prepare_move", "prepare_move"),
     ("kvsidecar.daemon.commands", "Commands._submit", "submit"),
     ("kvsidecar.node.jobs", "_pair_plan", "pair_plan"),
-    ("kvsidecar.node.jobs", "_check_ids", "check_ids"),
+    ("kvsidecar.node.jobs", "check_ids", "check_ids"),
     ("kvsidecar.core.mover", "plan_runs", "plan_runs"),
     ("kvsidecar.node.executor", "CopyExecutor.submit", "executor_submit"),
     ("kvsidecar.node.executor", "CopyExecutor.settle_finished", "settle"),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zmq
 
+from kvsidecar.core.mover import check_range, check_unique
 from kvsidecar.node.config import Config
 from kvsidecar.node.copy_events import ready_of, ready_passed
 from kvsidecar.node.executor import CopyExecutor
@@ -133,11 +134,8 @@ def _local_ranks(
         )
     sets = [w.buffer_set(req.medium) for w in workers]
     num_blocks = sets[0].num_blocks
-    if local_ids.size:
-        if int(local_ids.min()) < 0 or int(local_ids.max()) >= num_blocks:
-            raise SidecarError("out_of_range", f"local block ids outside 0..{num_blocks - 1}")
-        if np.unique(local_ids).size != local_ids.size:
-            raise SidecarError("duplicate_destination", "a local block id appears twice")
+    check_range(local_ids, num_blocks, "local")
+    check_unique(local_ids, "local", num_blocks)
     local = describe_engine(engine, medium=req.medium)
     by_rank = {(d.tp_rank, d.pp_rank): d for d in local.workers}
     ranks = [
