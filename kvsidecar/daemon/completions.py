@@ -271,7 +271,7 @@ class CompletionService:
                     acc.invalid_block_ids.update(int(i) for i in dst_ids)
 
     def on_peer_event(self, event: PeerCompletion) -> None:
-        """`PeerService.on_completion` hook: credit a peer outcome to its worker (or all)."""
+        """Part of the daemon's `PeerService` sink: credit a peer outcome to its worker (or all)."""
         st = self.engines.get(event.engine_id)
         if st is None:
             log.debug("peer event for engine %r without aggregation state", event.engine_id)
