@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsidecar import __version__
-from kvsidecar.daemon.config import Config, ConfigError
 from kvsidecar.daemon.logs import setup_logging
-from kvsidecar.daemon.settings import SETTINGS, Setting
 from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from kvsidecar.node.config import Config, ConfigError
+from kvsidecar.node.settings import SETTINGS, Setting
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:

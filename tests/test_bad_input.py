@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.daemon.config import Config
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.node.config import Config
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move
 from tests.helpers.raw import raw_call
 from tests.support.daemons import make_config, run_daemon

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.client import BufferSetRef, SidecarClient, SidecarError, WorkerRef
-from kvsidecar.daemon.cache_index import CacheIndex
+from kvsidecar.daemon.cache.index import CacheIndex
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.cache import CacheHits, CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents
 from kvsidecar.wire.protocol import Error, Reply, Request

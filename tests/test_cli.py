@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import __version__
-from kvsidecar.daemon.settings import SETTINGS
 from kvsidecar.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNREACHABLE
+from kvsidecar.node.settings import SETTINGS
 from tests.support import ROOT
 from tests.support.children import LineReader, workers
 from tests.support.daemons import daemon_process, make_config

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.daemon.config import Config, ConfigError
-from kvsidecar.daemon.settings import SETTINGS
+from kvsidecar.node.config import Config, ConfigError
+from kvsidecar.node.settings import SETTINGS
 
 
 def test_defaults_fill_paths(tmp_path: Path) -> None:

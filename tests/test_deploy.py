@@ -84,8 +84,9 @@ EXPORTED_METRICS: frozenset[str] = frozenset(
         "kvsidecar_aggregator_pending_requests",
         "kvsidecar_lease_expiries_total",
         "kvsidecar_build_info",
-        # Beyond the contract the operations issue lists, but defined in kvsidecar/daemon/metrics.py
-        # (the in-process exposition test below holds it to that).
+        # Beyond the contract the operations issue lists, but defined in
+        # kvsidecar/daemon/metrics/families.py (the in-process exposition test below holds it
+        # to that).
         "kvsidecar_event_loop_lag_seconds_bucket",
     }
 )
@@ -558,8 +559,8 @@ def test_dashboard_and_rules_against_the_daemons_exposition() -> None:
     # The end-to-end variant scrapes a running daemon with dashboard_metrics_missing_from_scrape.
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvsidecar.daemon.metrics import DaemonMetrics
-    from kvsidecar.daemon.metrics_state import StateSnapshot
+    from kvsidecar.daemon.metrics.families import DaemonMetrics
+    from kvsidecar.daemon.metrics.state import StateSnapshot
 
     class State:
         def metrics_state(self) -> StateSnapshot:
@@ -703,7 +704,7 @@ def _shipped_tomls() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize(("name", "text"), _shipped_tomls(), ids=lambda v: str(v)[:40])
 def test_shipped_configs_load(tmp_path: Path, name: str, text: str) -> None:
-    from kvsidecar.daemon.config import Config
+    from kvsidecar.node.config import Config
 
     path = tmp_path / "kvsidecar.toml"
     path.write_text(text)
@@ -711,7 +712,7 @@ def test_shipped_configs_load(tmp_path: Path, name: str, text: str) -> None:
 
 
 def test_deploy_env_vars_are_settings() -> None:
-    from kvsidecar.daemon.settings import SETTINGS
+    from kvsidecar.node.settings import SETTINGS
 
     known = {s.env_var for s in SETTINGS} | PENDING_ENV_VARS | CLI_ENV_VARS
     files = [UNIT, DEPLOY / "systemd" / "kvsidecar.env", DOCKERFILE, *MANIFESTS]

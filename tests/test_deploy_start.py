@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.daemon.config import Config
 from kvsidecar.exitcodes import EXIT_CONFIG
+from kvsidecar.node.config import Config
 from tests.support import ROOT
 from tests.support.daemons import DaemonProcess
 from tests.support.deploy import K8S, sidecar_runtime_dir, yaml_documents

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.node.executor import CopyExecutor
 
 IDS = np.array([1, 2], dtype=np.int64)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.daemon.config import Config
+from kvsidecar.node.config import Config
 from kvsidecar.wire.protocol import Status, StatusReply
 from tests.helpers.raw import Raw
 from tests.support import ROOT

@@ -1,24 +1,20 @@
-"""The id checks of moves and fixes (kvsidecar/daemon/jobs.py), on each of their paths.
+"""The id checks of moves, fixes, pulls and publishes (kvsidecar/core/mover.py), on each path.
 
 The duplicate-id check: a handful of ids (a Python set), many ids for a small buffer (one flag
 per block), and few ids for a large buffer (a sort): each must refuse exactly the id lists that
 repeat an id, and name a repeated one. A short move's one-pass check (`fine_small`) must pass
-exactly the id lists that the full check (`_check_ids`) passes.
+exactly the id lists that the full check (`check_ids`) passes.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.daemon.jobs import _check_ids, _check_unique, fine_small
-from kvsidecar.daemon.registry import BufferSet
+from kvsidecar.core.mover import check_ids, check_unique, fine_small
 from kvsidecar.wire.errors import SidecarError
-from kvsidecar.wire.types import WorkerRef
 
 
 @settings(max_examples=200, deadline=None)
@@ -38,18 +34,12 @@ def test_refuses_exactly_the_lists_that_repeat_an_id(
         ids[rng.integers(1, n)] = ids[0]
     repeated = len(set(ids.tolist())) != len(ids)
     if not repeated:
-        _check_unique(ids, "destination", num_blocks)
+        check_unique(ids, "destination", num_blocks)
         return
     with pytest.raises(SidecarError) as err:
-        _check_unique(ids, "destination", num_blocks)
+        check_unique(ids, "destination", num_blocks)
     assert err.value.code == "duplicate_destination"
     assert f"destination id {int(ids[0])} appears twice" == err.value.message
-
-
-def _blocks(engine: str, num_blocks: int) -> BufferSet:
-    """A buffer set of ``num_blocks`` blocks: all `_check_ids` reads of one (its block count)."""
-    layer = SimpleNamespace(descriptor=SimpleNamespace(num_blocks=num_blocks))
-    return BufferSet((WorkerRef(engine), "device"), {"layer0": layer})  # type: ignore[dict-item]
 
 
 @settings(max_examples=500, deadline=None)
@@ -63,13 +53,14 @@ def test_a_short_moves_check_passes_exactly_what_the_full_check_passes(
     length = data.draw(st.sampled_from([ratio * n, ratio * n, ratio * n + 1]))
     src = data.draw(st.lists(st.integers(-1, src_blocks), min_size=length, max_size=length))
     dst = data.draw(st.lists(st.integers(-1, n_dst), min_size=n, max_size=n))
-    src_set = _blocks("a", src_blocks)
-    dst_set = src_set if same else _blocks("b", dst_blocks)
+    blocks = (src_blocks, n_dst)
     try:
-        _check_ids(src_set, dst_set, np.array(src, "<i8"), np.array(dst, "<i8"), ratio)
+        check_ids(
+            np.array(src, "<i8"), np.array(dst, "<i8"), blocks=blocks, ratio=ratio, same_set=same
+        )
         passes = True
     except SidecarError:
         passes = False
-    fine = fine_small(src, dst, ratio=ratio, blocks=(src_blocks, n_dst), same_set=same)
+    fine = fine_small(src, dst, ratio=ratio, blocks=blocks, same_set=same)
     # An empty move passes the full check; the short one leaves it to the full one.
     assert fine == (passes and bool(dst))

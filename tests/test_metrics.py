@@ -1,5 +1,5 @@
 """Tests of the daemon's metrics, state gauges and endpoint against real parts: sockets, a real
-Prometheus, promtool (kvsidecar.daemon.metrics, .metrics_state, .metrics_server)."""
+Prometheus, promtool (kvsidecar.daemon.metrics.families, .metrics_state, .metrics_server)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from kvsidecar.daemon.metrics import LAYOUT_FIX_KINDS, MOVE_KINDS, DaemonMetrics
-from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
-from kvsidecar.daemon.metrics_state import StateSnapshot
+from kvsidecar.daemon.metrics.families import LAYOUT_FIX_KINDS, MOVE_KINDS, DaemonMetrics
+from kvsidecar.daemon.metrics.server import MetricsServer, Readiness
+from kvsidecar.daemon.metrics.state import StateSnapshot
 from tests.support.prometheus import find_binary, prometheus_running
 
 pytestmark = pytest.mark.timeout(60)
@@ -612,7 +612,7 @@ def test_tally_matches_prometheus_client_buckets_and_sums() -> None:
     """
     from prometheus_client import Histogram
 
-    from kvsidecar.daemon.metrics import COMMAND_DURATION_BUCKETS, MOVE_DURATION_BUCKETS
+    from kvsidecar.daemon.metrics.families import COMMAND_DURATION_BUCKETS, MOVE_DURATION_BUCKETS
 
     values = [0.0, -1.0, 1e-9, 0.000025, 0.00003, 0.0001, 0.00025, 0.0049, 0.25, 0.3, 1.0, 99.0]
     values += list(COMMAND_DURATION_BUCKETS) + list(MOVE_DURATION_BUCKETS)

@@ -1,4 +1,4 @@
-"""`MoveBatch` (kvsidecar/wire/batch.py, kvsidecar/daemon/batch.py) through a real daemon process.
+"""`MoveBatch` (kvsidecar/wire/batch.py, kvsidecar/node/batch.py) through a real daemon process.
 
 Two engines in shared memory, both clients. A batch's items run in order as one job, each is
 checked on its own (a bad item gets its typed error, the others run), and each item's engine

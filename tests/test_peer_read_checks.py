@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.core.layout import describe_tensor
-from kvsidecar.daemon.registry import LayerBuffer
 from kvsidecar.memory.base import TensorBuffer
+from kvsidecar.node.registry import LayerBuffer
 from kvsidecar.peer import zmq_plane
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.zmq_plane import serve_read

@@ -13,7 +13,7 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
 from kvsidecar.core import integrity
-from kvsidecar.daemon.admission import Admission
+from kvsidecar.daemon.limits.admission import Admission
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import Moved
 from tests.support.daemons import make_config, run_daemon

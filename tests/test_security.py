@@ -21,12 +21,12 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, WorkerRef
-from kvsidecar.daemon.access import AccessControl, EngineId
-from kvsidecar.daemon.auth import DomainPolicy, ZapHandler, control_transport
-from kvsidecar.daemon.config import Config, ConfigError
-from kvsidecar.daemon.registry import Engine
+from kvsidecar.daemon.limits.access import AccessControl, EngineId
 from kvsidecar.daemon.server import Daemon
 from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.node.auth import DomainPolicy, ZapHandler, control_transport
+from kvsidecar.node.config import Config, ConfigError
+from kvsidecar.node.registry import Engine
 from kvsidecar.wire.curve import KeyFileError, keygen, load_authorized_keys, load_keypair
 from tests.support import ROOT, python_env
 from tests.support.daemons import make_config, run_daemon

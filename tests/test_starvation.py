@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from kvsidecar.client import SidecarClient, SidecarError
-from kvsidecar.daemon.config import Config
+from kvsidecar.node.config import Config
 from kvsidecar.peer.messages import ReadBlocks
 from tests.support.attack import Attacker, defence_events, http_status
 from tests.support.children import WorkerProcess, workers

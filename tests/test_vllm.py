@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.daemon.config import Config
+from kvsidecar.node.config import Config
 from kvsidecar.wire.types import Arrangement
 from tests.support import ROOT
 from tests.support.children import LineChild

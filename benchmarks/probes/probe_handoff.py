@@ -1,6 +1,6 @@
 """Probe: the cost of handing a tiny job from the event loop to a thread and back.
 
-Why `kvsidecar.daemon.executor.CopyExecutor` runs its own threads fed from a `SimpleQueue`: one
+Why `kvsidecar.node.executor.CopyExecutor` runs its own threads fed from a `SimpleQueue`: one
 uvloop process hands a no-op job to another thread and awaits the result, ``--n`` times per
 method, the methods taking turns in batches:
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 import uvloop
 
-from kvsidecar.daemon.executor import CopyExecutor
+from kvsidecar.node.executor import CopyExecutor
 
 
 def _noop() -> int:

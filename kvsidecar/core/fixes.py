@@ -48,7 +48,7 @@ def needs_fix(remote_order: MemoryOrder, local: BufferDescriptor, ratio: int) ->
     """Whether raw blocks from ``remote_order`` need `fix_received` to read as ``local``'s.
 
     ``ratio``: how many of the remote's blocks make one of ``local``'s. The one rule for local
-    moves (`kvsidecar.daemon.jobs`) and node-to-node pulls (`kvsidecar.peer.plan`); both sides
+    moves (`kvsidecar.node.jobs`) and node-to-node pulls (`kvsidecar.peer.plan`); both sides
     are known by then to agree on arrangement and heads.
     """
     if local.arrangement in CPU_PACKED:

@@ -1,13 +1,14 @@
-"""The server: one daemon per node, its settings, its control socket and everything behind it.
+"""The server: one daemon per node, its control socket and everything behind it.
 
 - `server`: lifecycle (config -> startup -> serve -> shutdown), the ROUTER edge, dispatch.
-- `config`: the settings table and the frozen `Config`; `logs`: logging set-up.
+- `logs`: logging set-up; `runtime_dir`: one daemon per private directory.
 - `registration`: hello, register, unregister, heartbeat, grant; leases and worker release.
-- `commands`: moves, layout fixes, host blocks, status; `jobs` validates a move into a job.
-- `executor`: the copy threads; `registry`: what the daemon holds (engines, workers, buffers).
-- `access`, `auth`, `admission`: who may do what, who may connect, how much may queue.
+- `commands`: moves, layout fixes, host blocks, status; `short_moves`: short moves in one step.
+- `limits`: who may do what (`access`), how much may queue (`admission`), connections.
 - `completions`: per-engine aggregation of workers' reports (``report`` / ``collect``).
-- `metrics`, `observability`, `sdnotify`: Prometheus, health probes, systemd's notify protocol.
+- `cache`: the shared prefix cache and the connectors' completion events.
+- `metrics`: Prometheus, health probes; `sdnotify`: systemd's notify protocol.
 
+What the peer service shares with it (config, registry, jobs, executor, auth) is `kvsidecar.node`.
 ``python -m kvsidecar.daemon`` serves with settings from ``KVSIDECAR_*`` (``__main__``).
 """

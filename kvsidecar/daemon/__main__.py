@@ -10,8 +10,8 @@ import sys
 
 import prometheus_client
 
-from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.server import Daemon
+from kvsidecar.node.config import Config
 
 config = Config.load(os.environ.get("KVSIDECAR_CONFIG"))
 logging.basicConfig(

@@ -17,11 +17,11 @@ what turns it into a service on the daemon's event loop:
   acknowledged as a duplicate. The answers of the last steps are kept so that a retried `Collect`
   gets the same answer instead of losing it.
 - **The daemon reports too.** A `Move` that carries request ids, and every peer pull or publish
-  outcome (`kvsidecar.peer.service.PeerService.on_completion`), is credited to the workers it ran
-  for: a ``device`` source finished sending, a ``device`` destination finished receiving (failed,
-  with the destination blocks invalid, when the move failed). These accrue per worker and join
-  that worker's report at the next collect (merged into its own report, so a request the worker
-  also names counts once for it); a worker that never reports still gets them counted.
+  outcome (the sink given to `kvsidecar.peer.service.PeerService`), is credited to the workers
+  it ran for: a ``device`` source finished sending, a ``device`` destination finished receiving
+  (failed, with the destination blocks invalid, when the move failed). These accrue per worker
+  and join that worker's report at the next collect (merged into its own report, so a request the
+  worker also names counts once for it); a worker that never reports still gets them counted.
 - **Dead workers.** When a worker departs (lease expiry, fd channel closed, unregister) it is
   failed in the aggregator at once: every request waiting for it is completed on its behalf, the
   receiving ones as failed, so nothing waits for a report that will never come. Its buffered,
@@ -271,7 +271,7 @@ class CompletionService:
                     acc.invalid_block_ids.update(int(i) for i in dst_ids)
 
     def on_peer_event(self, event: PeerCompletion) -> None:
-        """`PeerService.on_completion` hook: credit a peer outcome to its worker (or all)."""
+        """Part of the daemon's `PeerService` sink: credit a peer outcome to its worker (or all)."""
         st = self.engines.get(event.engine_id)
         if st is None:
             log.debug("peer event for engine %r without aggregation state", event.engine_id)

@@ -1,10 +1,10 @@
 """The daemon's control socket: read requests, check them once, route them, send every reply.
 
-`ControlSocket` owns the ROUTER. It is a plain pyzmq socket read from a loop reader callback on
-its fd (an awaited ``recv_multipart`` per request costs a future and a task step, a good part of
-a short command's round trip). Each request is size-checked, decoded once into the `Request`
-union, checked for its data frames and its sender's rights (`kvsidecar.daemon.access.authorize`),
-then handed with its `ReplyTo` to the route given at construction
+`ControlSocket` owns the ROUTER. It is a plain pyzmq socket read from a loop reader callback on its
+fd (an awaited ``recv_multipart`` per request costs a future and a task step, a good part of a short
+command's round trip). Each request is size-checked, decoded once into the `Request` union, checked
+for its data frames and its sender's rights (`kvsidecar.daemon.limits.access.authorize`), then
+handed with its `ReplyTo` to the route given at construction
 (`kvsidecar.daemon.dispatch.Router.dispatch`). Every reply goes out through `ControlSocket.send`,
 from the loop or from a copy thread (the socket is shared under a lock); `ReplyTo` makes sure a
 request is answered exactly once.
@@ -24,21 +24,21 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvsidecar.daemon.access import AccessControl, Principal, authorize
-from kvsidecar.daemon.auth import (
+from kvsidecar.daemon.limits.access import AccessControl, Principal, authorize
+from kvsidecar.daemon.limits.connections import ConnectionCount
+from kvsidecar.daemon.metrics.observability import Observability
+from kvsidecar.daemon.runner import reply_of
+from kvsidecar.daemon.state import DaemonState
+from kvsidecar.node.auth import (
     CONTROL_DOMAIN,
     ZapHandler,
     close_zap_and_context,
     control_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.connections import ConnectionCount
-from kvsidecar.daemon.executor import CopyExecutor, call_soon_from_thread
-from kvsidecar.daemon.observability import Observability
-from kvsidecar.daemon.replies import ReplyBudget
-from kvsidecar.daemon.runner import reply_of
-from kvsidecar.daemon.state import DaemonState
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor, call_soon_from_thread
+from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore

@@ -1,7 +1,7 @@
 """Which handler answers a checked request: one `match` over the request union.
 
 `Router` is built at start-up with the daemon's services (`kvsidecar.daemon.moves`,
-`registration`, `cache_commands`, the completions, the peer service) and is the route of the
+`registration`, `cache.commands`, the completions, the peer service) and is the route of the
 control socket (`kvsidecar.daemon.control`), which has decoded, checked and authorized each
 request once before it gets here. ``status`` is assembled here from the parts that own its fields.
 """
@@ -13,20 +13,20 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl, Principal
-from kvsidecar.daemon.cache_commands import CacheCommands
+from kvsidecar.daemon.cache.commands import CacheCommands
+from kvsidecar.daemon.cache.worker_events import WorkerEvents
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.control import ControlSocket, Dispatched, ReplyTo
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.metrics import MoveKind
+from kvsidecar.daemon.limits.access import AccessControl, Principal
+from kvsidecar.daemon.metrics.families import MoveKind
+from kvsidecar.daemon.metrics.observability import Observability
 from kvsidecar.daemon.moves import Moves
-from kvsidecar.daemon.observability import Observability
 from kvsidecar.daemon.registration import Registrations, check_version
-from kvsidecar.daemon.registry import Registry, check_epoch
 from kvsidecar.daemon.state import DaemonState, MoveTotals
-from kvsidecar.daemon.worker_events import WorkerEvents
 from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import Registry, check_epoch
 from kvsidecar.peer.service import PeerService
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents

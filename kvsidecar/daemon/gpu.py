@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kvsidecar.daemon.config import ConfigError
+from kvsidecar.node.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ whose pair plan is cached and plain (`jobs.plain_pair`: equal block sizes, no la
 memory), copying at most `jobs.INLINE_MAX_BYTES` on blocks no job in flight touches, is copied
 right here and answered, with no job, future or closure made for it. Every other move (and a short
 one whose ids do not pass `jobs.fine_small`, so that the general check names what is wrong)
-becomes a `kvsidecar.daemon.jobs.Job` for the `JobRunner`. Both branches count, meter and credit
+becomes a `kvsidecar.node.jobs.Job` for the `JobRunner`. Both branches count, meter and credit
 completions the same way (`_succeeded`).
 """
 
@@ -19,17 +19,17 @@ import time
 from typing import Any
 
 from kvsidecar.core import copier, mover
-from kvsidecar.daemon.batch import PreparedBatch, prepare_batch
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.jobs import INLINE_MAX_BYTES, fine_small, move_job, plain_pair, prepare_fix
-from kvsidecar.daemon.metrics import LayoutFixKind, MoveKind
-from kvsidecar.daemon.observability import Observability, move_fix_kind, move_kind
-from kvsidecar.daemon.registry import BufferSet, Registry
+from kvsidecar.daemon.metrics.families import LayoutFixKind, MoveKind
+from kvsidecar.daemon.metrics.observability import Observability, move_fix_kind, move_kind
 from kvsidecar.daemon.runner import Answer, JobRunner
 from kvsidecar.daemon.state import MoveTotals
 from kvsidecar.memory.base import HandleError
+from kvsidecar.node.batch import PreparedBatch, prepare_batch
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.jobs import INLINE_MAX_BYTES, fine_small, move_job, plain_pair, prepare_fix
+from kvsidecar.node.registry import BufferSet, Registry
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray, decode_ids, encode_ids
@@ -155,7 +155,7 @@ class Moves:
     def move_batch(
         self, req: MoveBatch, data: list[memoryview], answer: Answer
     ) -> asyncio.Future[Reply]:
-        """Check a batch item by item and run its items as one job (`kvsidecar.daemon.batch`)."""
+        """Check a batch item by item and run its items as one job (`kvsidecar.node.batch`)."""
         src_ids = self.ids(data[0], req.ids_dtype, "source")
         dst_ids = self.ids(data[1], req.ids_dtype, "destination")
         checksum = self._config.checksum if req.checksum is None else req.checksum

@@ -20,12 +20,19 @@ import torch
 
 from kvsidecar import __version__
 from kvsidecar.core import layout
-from kvsidecar.daemon.access import AccessControl, EngineId, Principal  # security
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.observability import Observability
-from kvsidecar.daemon.registry import (
+from kvsidecar.daemon.limits.access import AccessControl, EngineId, Principal  # security
+from kvsidecar.daemon.metrics.observability import Observability
+from kvsidecar.daemon.state import DaemonState
+from kvsidecar.memory import cuda_driver, open_handles
+from kvsidecar.memory.base import HandleError, MappedBuffer
+from kvsidecar.memory.cuda_ipc import IpcBackend
+from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
+from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
+from kvsidecar.memory.shm import open_shm_all
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import (
     BufferSet,
     Engine,
     LayerBuffer,
@@ -34,13 +41,6 @@ from kvsidecar.daemon.registry import (
     check_epoch,
     host_buffer_set,
 )
-from kvsidecar.daemon.state import DaemonState
-from kvsidecar.memory import cuda_driver, open_handles
-from kvsidecar.memory.base import HandleError, MappedBuffer
-from kvsidecar.memory.cuda_ipc import IpcBackend
-from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
-from kvsidecar.memory.host_pool import BlockIdAllocator, HostPool
-from kvsidecar.memory.shm import open_shm_all
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.protocol import (
     PROTOCOL_VERSION,

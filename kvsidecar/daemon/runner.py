@@ -1,7 +1,7 @@
 """Running a checked job and answering it: on the event loop when short, else on a copy thread.
 
 Every copy the daemon makes for a request (a move, a batch, a layout fix, a cache store or load)
-is checked into a `kvsidecar.daemon.jobs.Job` by its handler and handed to `JobRunner.run`, which
+is checked into a `kvsidecar.node.jobs.Job` by its handler and handed to `JobRunner.run`, which
 
 - runs a short CPU job (`Job.inline`) on blocks no job in flight touches right on the loop, since
   the copy takes less than the hand-off to a thread and back;
@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvsidecar.daemon.admission import Admission
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.jobs import Job
-from kvsidecar.daemon.registry import Registry, Worker
+from kvsidecar.daemon.limits.admission import Admission
 from kvsidecar.daemon.state import DaemonState, MoveTotals
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.jobs import Job
+from kvsidecar.node.registry import Registry, Worker
 from kvsidecar.wire.batch import MovedBatch
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import Error, Fixed, Moved, Reply

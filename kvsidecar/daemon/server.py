@@ -8,7 +8,7 @@ SIGTERM/SIGINT, and `Daemon.shutdown`. A second signal skips the drain.
 socket (`kvsidecar.daemon.control.ControlSocket`) and the peer endpoint, then builds the request
 handlers with the state each needs, as uvicorn hands ``config`` and ``server_state`` to its
 protocol objects: `kvsidecar.daemon.registration.Registrations`, `kvsidecar.daemon.moves.Moves`
-(over a `kvsidecar.daemon.runner.JobRunner`), `kvsidecar.daemon.cache_commands.CacheCommands`,
+(over a `kvsidecar.daemon.runner.JobRunner`), `kvsidecar.daemon.cache.commands.CacheCommands`,
 the `CompletionService` and the `PeerService`, routed by `kvsidecar.daemon.dispatch.Router`.
 
 The event loop only does I/O and bookkeeping: requests are decoded and checked on it, the copies
@@ -28,32 +28,33 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar import __version__
-from kvsidecar.daemon.access import AccessControl
-from kvsidecar.daemon.admission import Admission
-from kvsidecar.daemon.auth import ZapHandler
-from kvsidecar.daemon.cache import PrefixCache
-from kvsidecar.daemon.cache_commands import CacheCommands
+from kvsidecar.daemon.cache.commands import CacheCommands
+from kvsidecar.daemon.cache.prefix import PrefixCache
+from kvsidecar.daemon.cache.worker_events import WorkerEvents
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.control import ControlSocket
 from kvsidecar.daemon.dispatch import Router
-from kvsidecar.daemon.executor import CopyExecutor
 from kvsidecar.daemon.gpu import check_cuda
-from kvsidecar.daemon.metrics_server import Readiness
-from kvsidecar.daemon.metrics_state import StateSnapshot
+from kvsidecar.daemon.limits.access import AccessControl
+from kvsidecar.daemon.limits.admission import Admission
+from kvsidecar.daemon.metrics.observability import Observability, readiness, snapshot
+from kvsidecar.daemon.metrics.server import Readiness
+from kvsidecar.daemon.metrics.state import StateSnapshot
 from kvsidecar.daemon.moves import Moves
-from kvsidecar.daemon.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.registration import Registrations
-from kvsidecar.daemon.registry import Registry
-from kvsidecar.daemon.replies import ReplyBudget
 from kvsidecar.daemon.runner import JobRunner
 from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.daemon.state import DaemonState, MoveTotals
-from kvsidecar.daemon.worker_events import WorkerEvents
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
 from kvsidecar.memory.fd_limits import raise_fd_limit
 from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.auth import ZapHandler
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.identity import mint_daemon_id
+from kvsidecar.node.registry import Registry
+from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.peer.service import PeerService
 from kvsidecar.wire.reports import PeerCompletion
 
@@ -89,7 +90,7 @@ class Daemon:
         """Connection -> engine bindings and sharing grants."""
         self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
         self.reply_budget = ReplyBudget(config.max_reply_bytes)
-        """Bytes of large replies waiting for their readers (`kvsidecar.daemon.replies`)."""
+        """Bytes of large replies waiting for their readers (`kvsidecar.node.replies`)."""
         # Made by `startup`, in this order; None before it and after `shutdown`.
         self.pool: HostPool | None = None
         self.executor: CopyExecutor | None = None
@@ -102,11 +103,8 @@ class Daemon:
         self.registrations: Registrations | None = None
         self.moves: Moves | None = None
         self.router: Router | None = None
-
-    @property
-    def daemon_id(self) -> str:
-        """The identity hello replies carry ("" before startup)."""
-        return "" if self.peer is None else self.peer.daemon_id
+        self.daemon_id = ""
+        """This daemon's identity, minted at startup: hello replies and peer handshakes carry it."""
 
     @property
     def draining(self) -> bool:
@@ -190,9 +188,15 @@ class Daemon:
             state=self.state,
         )
         control.bind()
-        peer = self.peer = PeerService(cfg, self.registry, executor)
+        self.daemon_id = mint_daemon_id()
+        peer = self.peer = PeerService(
+            cfg,
+            self.registry,
+            executor,
+            daemon_id=self.daemon_id,
+            on_completion=self._on_peer_completion,
+        )
         await peer.start()
-        peer.on_completion = self._on_peer_completion
         self.cache = PrefixCache(cfg, self.registry, self.pool, self.observability.cache_metrics)
         self._build_handlers(executor, control, peer, self.cache, self.fd_server)
         await self.observability.start(self, self.readiness)
@@ -228,7 +232,7 @@ class Daemon:
             pool=self.pool,
             fd_server=fd_server,
             state=state,
-            daemon_id=peer.daemon_id,
+            daemon_id=self.daemon_id,
         )
         self.moves = Moves(
             cfg,
@@ -344,7 +348,7 @@ class Daemon:
             self.registrations.on_fd_close(conn)
 
     def metrics_state(self) -> StateSnapshot:
-        """`kvsidecar.daemon.metrics_state.StateProvider`: live state, read at every scrape."""
+        """`kvsidecar.daemon.metrics.state.StateProvider`: live state, read at every scrape."""
         pool, executor = self.pool, self.executor
         return snapshot(
             self.registry,
@@ -371,7 +375,7 @@ class Daemon:
         return events
 
     def readiness(self) -> Readiness:
-        """`kvsidecar.daemon.metrics_server.HealthProvider`: what ``/readyz`` decides on."""
+        """`kvsidecar.daemon.metrics.server.HealthProvider`: what ``/readyz`` decides on."""
         return readiness(
             sockets_bound=self.control is not None
             and self.control.is_open
@@ -382,8 +386,6 @@ class Daemon:
         )
 
     def _on_peer_completion(self, event: PeerCompletion) -> None:
-        # Counted by the aggregation, and still queued for ``take_peer_events`` (observers).
+        # Counted by the aggregation; the peer service queues it for ``take_peer_events`` itself.
         self.completions.on_peer_event(event)
         self.worker_events.on_peer_event(event)  # connectors that aggregate themselves
-        if self.peer is not None:
-            self.peer.completions.append(event)

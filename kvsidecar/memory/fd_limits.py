@@ -11,7 +11,7 @@ holds, keyed by the peer's (uid, pid) from ``SO_PEERCRED``, and asks it before t
   refused, nobody else's;
 - in total at most ``max_connections`` and ``max_unclaimed_fds``, and together at most half of
   the descriptors the process had free at start (``RLIMIT_NOFILE``; the control socket may use a
-  quarter, `kvsidecar.daemon.connections`, the rest is kept for everything else). At a total
+  quarter, `kvsidecar.daemon.limits.connections`, the rest is kept for everything else). At a total
   limit the biggest holder gives way (its oldest unclaimed message, or its oldest connection that
   never registered a worker), so a hoarder spread over many processes still cannot crowd out a
   worker that holds little;

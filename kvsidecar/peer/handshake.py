@@ -20,7 +20,7 @@ import msgspec
 from kvsidecar.core import layout
 from kvsidecar.core.layout import CPU_PACKED
 from kvsidecar.core.topology import EngineTransferInfo
-from kvsidecar.daemon.registry import Engine, Worker
+from kvsidecar.node.registry import Engine, Worker
 from kvsidecar.peer.messages import CompatInfo, PeerEngine, PeerWorker
 from kvsidecar.wire.types import Medium
 

@@ -14,29 +14,34 @@ from the producer's registered memory into the consumer's. So a `Pull` whose
 
 Only published requests are read (`kvsidecar.peer.producer.Producer.readable`): the producer said
 these blocks may go to a consumer, and they are held until read or until the lease ends. Who may
-pull locally from whom is decided before (`kvsidecar.daemon.access`: the same user only).
+pull locally from whom is decided before (`kvsidecar.daemon.limits.access`: the same user only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.registry import LayerBuffer, Registry
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.registry import LayerBuffer, Registry
 from kvsidecar.peer.link import Dest, PeerGone, PeerLink, PeerRefused
-from kvsidecar.peer.messages import Notify, PeerError, PeerHello, PeerReply, PeerRequest
+from kvsidecar.peer.messages import (
+    Notify,
+    PeerError,
+    PeerHello,
+    PeerReply,
+    PeerRequest,
+    PeerWelcome,
+)
 from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
+from kvsidecar.peer.producer import Producer
 from kvsidecar.peer.zmq_plane import as_bytes, check_ranges
-
-if TYPE_CHECKING:
-    from kvsidecar.peer.service import PeerService
 
 LOCAL_PLANE = "local"
 """`Pulled.plane` of a pull served by this daemon itself."""
@@ -45,13 +50,23 @@ LOCAL_PLANE = "local"
 class LocalLink(PeerLink):
     """The daemon as its own peer (see the module doc): no socket, no task, never drops."""
 
-    def __init__(self, service: PeerService) -> None:  # no super(): there is no socket
+    def __init__(
+        self,
+        welcome: Callable[[PeerHello], PeerWelcome | PeerError],
+        on_notify: Callable[[Notify], None],
+    ) -> None:  # no super(): there is no socket
+        """Answer handshakes with ``welcome``; hand notifications to ``on_notify``.
+
+        ``welcome``: this daemon's answer to a handshake (`PeerService.welcome`); ``on_notify``:
+        its producer side's (`kvsidecar.peer.producer.Producer.on_notify`).
+        """
         self.endpoint = ""
         self.closed = False
         self._connected = True  # `connected` stays true: no stream can break
         self._streams = []
         self.lost = False
-        self._service = service
+        self._welcome = welcome
+        self._on_notify = on_notify
         self._ids = itertools.count(1)
 
     def next_id(self) -> int:
@@ -69,7 +84,7 @@ class LocalLink(PeerLink):
         """Answer a handshake the way this daemon answers other nodes; nothing else is asked."""
         if not isinstance(msg, PeerHello):
             raise PeerGone(f"a local link carries handshakes and notifications, not {msg!r}")
-        reply = self._service._welcome(msg)
+        reply = self._welcome(msg)
         if isinstance(reply, PeerError):
             raise PeerRefused(reply)
         return reply
@@ -77,7 +92,7 @@ class LocalLink(PeerLink):
     async def send(self, msg: PeerRequest) -> None:
         """Hand a consumer's notification to this daemon's producer side."""
         if isinstance(msg, Notify):
-            self._service.producer.on_notify(msg)
+            self._on_notify(msg)
 
     def fail_all(self, exc: Exception) -> None:
         """Nothing is ever in flight on a local link."""
@@ -91,8 +106,8 @@ class LocalPlane(DataPlane):
 
     name = LOCAL_PLANE
 
-    def __init__(self, service: PeerService, registry: Registry, executor: CopyExecutor) -> None:
-        self._service = service
+    def __init__(self, producer: Producer, registry: Registry, executor: CopyExecutor) -> None:
+        self._producer = producer
         self._registry = registry
         self._executor = executor
 
@@ -103,7 +118,7 @@ class LocalPlane(DataPlane):
         the request is published and within its lease, and every range lies inside the blocks it
         was published with.
         """
-        blocks = self._service.producer.readable(target.engine_id, target.request_id)
+        blocks = self._producer.readable(target.engine_id, target.request_id)
         if isinstance(blocks, PeerError):
             raise PeerRefused(blocks)
         worker = self._registry.rank_worker(

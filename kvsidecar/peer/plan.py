@@ -34,6 +34,7 @@ import numpy.typing as npt
 from kvsidecar.core import layout
 from kvsidecar.core.fixes import needs_fix
 from kvsidecar.core.layout import CPU_PACKED
+from kvsidecar.core.mover import MoveError, check_range
 from kvsidecar.core.topology import EngineTransferInfo, TopologyError, TransferTopology
 from kvsidecar.peer.messages import PeerEngine, PeerWorker
 from kvsidecar.wire.types import BufferDescriptor, MemoryOrder
@@ -345,9 +346,14 @@ class _Blocks:
 
 
 def _check_ids(ids: I64, geo: Geometry, side: str) -> None:
-    """Refuse block ids (``side``: local or remote) outside a buffer of geometry ``geo``."""
-    if ids.size and (int(ids.max()) >= geo.num_blocks or int(ids.min()) < 0):
-        raise PlanError(f"{side} block ids out of range 0..{geo.num_blocks - 1}")
+    """Refuse block ids (``side``: local or remote) outside a buffer of geometry ``geo``.
+
+    The check is `check_range`'s; the refusal is a plan that does not fit (`PlanError`).
+    """
+    try:
+        check_range(ids, geo.num_blocks, side)
+    except MoveError:
+        raise PlanError(f"{side} block ids out of range 0..{geo.num_blocks - 1}") from None
 
 
 Runs = tuple[I64, I64, I64]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from kvsidecar.daemon.registry import LayerBuffer
+from kvsidecar.node.registry import LayerBuffer
 from kvsidecar.peer.link import PeerLink
 from kvsidecar.peer.messages import PeerWorker
 from kvsidecar.peer.plan import ReadPlan

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.registry import Engine, Registry
+from kvsidecar.core.mover import check_range
+from kvsidecar.node.config import Config
+from kvsidecar.node.registry import Engine, Registry
 from kvsidecar.peer.messages import Claim, Notify, PeerError, ReadBlocks, Verdict
 from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read
-from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok
 from kvsidecar.wire.pulls import Publish
@@ -90,8 +90,7 @@ class Producer:
     def publish(self, req: Publish, ids: IdArray) -> Ok:
         """Hold a request's blocks for remote readers until read or until the lease ends."""
         engine = self.registry.engine(req.engine_id)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _num_blocks(engine)):
-            raise SidecarError("out_of_range", "published block ids outside the engine's cache")
+        check_range(ids, _num_blocks(engine), "published")
         lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
         key = (req.engine_id, req.request_id)
         held = self._held.setdefault(key, _Held(deadline=0.0, published=True))

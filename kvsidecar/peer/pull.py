@@ -6,7 +6,7 @@ sent); `PeerPull.run` takes its steps, bounded by its timeout (a dead or silent 
 1. handshake: `PeerHello` -> `PeerWelcome` with the remote daemon; the data plane is chosen;
 2. plan: the compatibility check (``incompatible_peer`` naming the mismatch, before any byte
    moves) and every local rank's reads (`kvsidecar.peer.plan`);
-3. transfer, once the caller's ready event has passed (`kvsidecar.daemon.copy_events`), each
+3. transfer, once the caller's ready event has passed (`kvsidecar.node.copy_events`), each
    request on its own: the reads, the layout fixes on the copy executor, the notifications;
 4. completion: one `PeerCompletion` (finished and failed requests, the failed ones' local blocks
    invalid) and the `Pulled` reply. A pull that fails before any read fails every request.
@@ -18,17 +18,19 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import zmq
 
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.copy_events import ready_of, ready_passed
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.jobs import fix_layers
-from kvsidecar.daemon.registry import BufferSet, Engine, Worker
+from kvsidecar.core.mover import check_range, check_unique
+from kvsidecar.node.config import Config
+from kvsidecar.node.copy_events import ready_of, ready_passed
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.jobs import fix_layers
+from kvsidecar.node.registry import BufferSet, Engine, Worker
+from kvsidecar.peer.context import PullContext
 from kvsidecar.peer.handshake import IncompatiblePeer, check_compatible, describe_engine
 from kvsidecar.peer.link import PeerGone, PeerLink, PeerRefused
 from kvsidecar.peer.local import LOCAL_PLANE
@@ -48,9 +50,6 @@ from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Reply
 from kvsidecar.wire.pulls import Pull, Pulled, PullItem
 from kvsidecar.wire.reports import PeerCompletion
-
-if TYPE_CHECKING:
-    from kvsidecar.peer.service import PeerService
 
 log = logging.getLogger("kvsidecar.peer")
 
@@ -73,7 +72,7 @@ class ItemIds(NamedTuple):
 
 
 def check_pull(
-    service: PeerService,
+    ctx: PullContext,
     req: Pull,
     remote_ids: IdArray,
     local_ids: IdArray,
@@ -83,7 +82,7 @@ def check_pull(
 
     ``may_read`` decides on the remote engine when the remote daemon is this one.
     """
-    engine = service.registry.engine(req.engine_id)
+    engine = ctx.registry.engine(req.engine_id)
     if req.remote_endpoint and not req.remote_endpoint.startswith(("tcp://", "ipc://")):
         raise SidecarError("invalid_message", "remote_endpoint must be tcp://, ipc:// or empty")
     require_distinct(
@@ -99,7 +98,7 @@ def check_pull(
     ):
         raise SidecarError("length_mismatch", "item id counts do not match the id frames")
     local, ranks = _local_ranks(engine, req, local_ids)
-    timeout = req.timeout_s if req.timeout_s > 0 else service.config.peer_pull_timeout_s
+    timeout = req.timeout_s if req.timeout_s > 0 else ctx.config.peer_pull_timeout_s
     splits_r = np.cumsum([it.num_remote for it in req.items])[:-1]
     splits_l = np.cumsum([it.num_local for it in req.items])[:-1]
     items = [
@@ -112,7 +111,7 @@ def check_pull(
         )
     ]
     ready = ready_of([r.buffers for r in ranks], req.events)
-    return PeerPull(service, req, local, ranks, items, timeout, may_read, ready)
+    return PeerPull(ctx, req, local, ranks, items, timeout, may_read, ready)
 
 
 def _local_ranks(
@@ -133,11 +132,8 @@ def _local_ranks(
         )
     sets = [w.buffer_set(req.medium) for w in workers]
     num_blocks = sets[0].num_blocks
-    if local_ids.size:
-        if int(local_ids.min()) < 0 or int(local_ids.max()) >= num_blocks:
-            raise SidecarError("out_of_range", f"local block ids outside 0..{num_blocks - 1}")
-        if np.unique(local_ids).size != local_ids.size:
-            raise SidecarError("duplicate_destination", "a local block id appears twice")
+    check_range(local_ids, num_blocks, "local")
+    check_unique(local_ids, "local", num_blocks)
     local = describe_engine(engine, medium=req.medium)
     by_rank = {(d.tp_rank, d.pp_rank): d for d in local.workers}
     ranks = [
@@ -171,7 +167,7 @@ class _Outcome(NamedTuple):
 class PeerPull:
     """A checked pull (`check_pull`): `run` takes its steps (see the module doc)."""
 
-    service: PeerService
+    ctx: PullContext
     req: Pull
     local: PeerEngine
     """This engine as the handshake describes it (for the compatibility check)."""
@@ -188,7 +184,7 @@ class PeerPull:
     @property
     def config(self) -> Config:
         """The daemon's settings."""
-        return self.service.config
+        return self.ctx.config
 
     @property
     def pref(self) -> str:
@@ -200,8 +196,8 @@ class PeerPull:
         loop = asyncio.get_running_loop()
         self.started = loop.time()
         self.deadline = self.started + self.timeout
-        self.service.pulls_total += 1
-        link = self.service.link(self.req.remote_endpoint)
+        self.ctx.counts.pulls += 1
+        link = self.ctx.link(self.req.remote_endpoint)
         welcome = await self._handshake(link)
         if isinstance(welcome, Pulled):
             return welcome
@@ -217,7 +213,7 @@ class PeerPull:
             engine=remote,
             workers={(w.tp_rank, w.pp_rank): w for w in remote.workers},
             agent=welcome.nixl_agent,
-            plane=self.service.planes[plane_name],
+            plane=self.ctx.planes.by_name[plane_name],
         )
         if self.ready is not None and not await ready_passed(*self.ready, self.deadline):
             return self._fail("timeout", "the engine's stream did not reach the pull's event")
@@ -235,25 +231,25 @@ class PeerPull:
 
     async def _handshake(self, link: PeerLink) -> PeerWelcome | Pulled:
         """Greet the remote daemon; a failed handshake fails the pull (the reply says why)."""
-        service = self.service
+        ctx = self.ctx
         local = not self.req.remote_endpoint
         if not local and self.pref in ("auto", "nixl") and self.config.peer_data_plane != "zmq":
-            await service.ensure_nixl()
-        wants_nixl = not local and service.nixl is not None and self.pref in ("auto", "nixl")
+            await ctx.planes.ensure_nixl()
+        wants_nixl = not local and ctx.planes.nixl is not None and self.pref in ("auto", "nixl")
         loop = asyncio.get_running_loop()
         try:
             welcome = await link.request(
                 PeerHello(
                     id=link.next_id(),
                     protocol_version=PEER_PROTOCOL_VERSION,
-                    daemon_id=service.daemon_id,
+                    daemon_id=ctx.daemon_id,
                     want_nixl=wants_nixl,
                     claims=self._claims(),
                 ),
                 timeout=min(self.config.peer_handshake_timeout_s, self.deadline - loop.time()),
             )
         except PeerGone as exc:
-            await service.drop_link(self.req.remote_endpoint)
+            await ctx.drop_link(self.req.remote_endpoint)
             return self._fail("peer_unavailable", str(exc))
         except PeerRefused as exc:
             return self._fail("incompatible_peer", str(exc))
@@ -277,7 +273,7 @@ class PeerPull:
 
     def _remote_engine(self, welcome: PeerWelcome) -> PeerEngine:
         req = self.req
-        if welcome.daemon_id == self.service.daemon_id and not self.may_read(req.remote_engine_id):
+        if welcome.daemon_id == self.ctx.daemon_id and not self.may_read(req.remote_engine_id):
             # This daemon's own peer endpoint, however spelled: read with the sender's rights.
             self._report_failed()
             raise SidecarError(
@@ -297,7 +293,7 @@ class PeerPull:
         if not self.req.remote_endpoint:
             return LOCAL_PLANE  # this daemon's own engines: copied in memory
         pref = self.pref
-        offered = self.service.nixl is not None and "nixl" in welcome.planes
+        offered = self.ctx.planes.nixl is not None and "nixl" in welcome.planes
         both_nixl = offered and bool(welcome.nixl_metadata)
         if pref == "nixl" and not both_nixl:
             self._report_failed()
@@ -309,11 +305,11 @@ class PeerPull:
 
     def _connect_nixl(self, welcome: PeerWelcome) -> Pulled | None:
         """Load the producer's NIXL agent and register our buffers; a failure fails the pull."""
-        nixl = self.service.nixl
+        nixl = self.ctx.planes.nixl
         assert nixl is not None
         try:
             nixl.load_remote(welcome.nixl_agent, welcome.nixl_metadata)
-            nixl.sync(self.service.registered_buffers())
+            nixl.sync(self.ctx.planes.registered_buffers())
         except Exception as exc:
             return self._fail("peer_unavailable", f"NIXL setup failed: {exc}")
         return None
@@ -354,7 +350,7 @@ class PeerPull:
         try:
             nbytes = sum(await asyncio.gather(*reads))
             await _fix_layouts(
-                self.service.executor, self.ranks, plans, ids.local_ids, self.deadline - loop.time()
+                self.ctx.executor, self.ranks, plans, ids.local_ids, self.deadline - loop.time()
             )
         except (PeerGone, PeerRefused, TimeoutError, asyncio.TimeoutError) as exc:
             return _Outcome(False, 0, str(exc) or type(exc).__name__)
@@ -383,7 +379,7 @@ class PeerPull:
         """Tell each producer rank that this rank read it (best effort: the lease is the net)."""
         link = source.link
         for rank, plan in zip(self.ranks, plans, strict=True):
-            reader = f"{self.service.daemon_id}/{rank.worker.ref.label()}"
+            reader = f"{self.ctx.daemon_id}/{rank.worker.ref.label()}"
             for tp, pp in plan.notify:
                 msg = Notify(
                     id=link.next_id(),
@@ -410,12 +406,12 @@ class PeerPull:
             int(b) for i, r in enumerate(outcomes) if not r.ok for b in items[i].local_ids.tolist()
         )
         nbytes = sum(r.nbytes for r in outcomes)
-        self.service.bytes_pulled_total += nbytes
+        self.ctx.counts.nbytes += nbytes
         errors = [r.error for r in outcomes if not r.ok]
         if failed:
-            self.service.pulls_failed_total += 1
+            self.ctx.counts.failed += 1
             if not link.connected:
-                await self.service.drop_link(self.req.remote_endpoint)
+                await self.ctx.drop_link(self.req.remote_endpoint)
         self._report(finished, failed, invalid)
         return self._reply(
             finished,
@@ -429,7 +425,7 @@ class PeerPull:
 
     def _report_failed(self) -> tuple[list[str], list[int]]:
         """Count the pull failed and report every request failed, with all its local blocks."""
-        self.service.pulls_failed_total += 1
+        self.ctx.counts.failed += 1
         every = [ids.item.request_id for ids in self.items]
         invalid = sorted({int(i) for ids in self.items for i in ids.local_ids})
         self._report([], every, invalid)
@@ -441,7 +437,7 @@ class PeerPull:
         return self._reply([], every, invalid, nbytes=0, plane="", code=code, error=message)
 
     def _report(self, finished: list[str], failed: list[str], invalid: list[int]) -> None:
-        self.service.emit(
+        self.ctx.emit(
             PeerCompletion(
                 engine_id=self.req.engine_id,
                 worker=None if self.req.tp_rank is None else self.ranks[0].worker.ref,

@@ -10,31 +10,28 @@ description, and NIXL metadata when asked), and the completion events. The two s
 - consumer (`kvsidecar.peer.pull`): `PeerService.pull` checks a pull, then runs its handshake,
   plan, transfer and completion steps, bounded by its timeout.
 
-Completion events: every outcome becomes a `kvsidecar.wire.protocol.PeerCompletion`. They queue in
-`PeerService.completions` (taken with the ``take_peer_events`` command) unless
-`PeerService.on_completion` is set: the completion aggregation service (issue 4) sets that hook
-and receives every event as it happens instead.
+Completion events: every outcome becomes a `kvsidecar.wire.reports.PeerCompletion`, which goes
+one way: `PeerService.emit` hands it to the sink the daemon gave (``on_completion``: its
+completion aggregation and its connectors' worker events) and queues it in
+`PeerService.completions`, which the ``take_peer_events`` command takes.
+
+What a pull needs of the service is a `kvsidecar.peer.context.PullContext`, made once here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 import zmq.asyncio
 
-from kvsidecar.daemon.auth import (  # security
+from kvsidecar.node.auth import (  # security
     PEER_DOMAIN,
     Transport,
     ZapHandler,
@@ -43,10 +40,12 @@ from kvsidecar.daemon.auth import (  # security
     peer_transport,
     secure_server_socket,
 )
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.executor import CopyExecutor
-from kvsidecar.daemon.registry import Registry, Worker
-from kvsidecar.daemon.replies import ReplyBudget
+from kvsidecar.node.config import Config
+from kvsidecar.node.executor import CopyExecutor
+from kvsidecar.node.identity import mint_daemon_id
+from kvsidecar.node.registry import Registry, Worker
+from kvsidecar.node.replies import ReplyBudget
+from kvsidecar.peer.context import PlaneSet, PullContext, PullCounts
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
 from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
@@ -60,11 +59,9 @@ from kvsidecar.peer.messages import (
     ReadBlocks,
     ReadData,
 )
-from kvsidecar.peer.nixl_plane import NixlPlane
-from kvsidecar.peer.planes import DataPlane
 from kvsidecar.peer.producer import Producer
 from kvsidecar.peer.pull import check_pull
-from kvsidecar.peer.zmq_plane import ZmqPlane, pack, packable
+from kvsidecar.peer.zmq_plane import pack, packable
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok, Reply
@@ -95,23 +92,31 @@ channel run in between, however many peer messages wait)."""
 class PeerService:
     """Node-to-node transfer for one daemon; `start` in startup, `close` in shutdown."""
 
-    def __init__(self, config: Config, registry: Registry, executor: CopyExecutor) -> None:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        executor: CopyExecutor,
+        *,
+        daemon_id: str = "",
+        on_completion: Callable[[PeerCompletion], None] | None = None,
+    ) -> None:
+        """Wire the service to the node's parts; nothing is bound before `start`.
+
+        ``daemon_id``: the daemon's own (a fresh `mint_daemon_id` when not given);
+        ``on_completion``: the sink of every completion event (see the module doc).
+        """
         self.config = config
         self.registry = registry
         self.executor = executor
-        self.daemon_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.daemon_id = daemon_id or mint_daemon_id()
+        """This daemon's id, as its peers see it."""
         self.completions: collections.deque[PeerCompletion] = collections.deque(maxlen=1 << 16)
-        """Completion events not yet taken (oldest first); unused while `on_completion` is set."""
-        self.on_completion: Callable[[PeerCompletion], None] | None = None
-        """Hook for the completion aggregation: receives every event instead of the queue."""
+        """Completion events not yet taken (oldest first), for ``take_peer_events``."""
+        self._sink = on_completion
         self.producer = Producer(config, registry, self.emit)
-        self.planes: dict[str, DataPlane] = {"zmq": ZmqPlane(config.peer_chunk_bytes)}
-        self.nixl: NixlPlane | None = None
-        self._nixl_error: str | None = None
-        self._nixl_lock = asyncio.Lock()
-        self.pulls_total = 0
-        self.pulls_failed_total = 0
-        self.bytes_pulled_total = 0
+        self.planes = PlaneSet(config, registry, self.daemon_id)
+        self.counts = PullCounts()
         self.replies_dropped_total = 0
         """Peer replies dropped because their peer's queue was full (`PEER_SNDHWM`)."""
         self.unreadable_total = 0
@@ -130,8 +135,19 @@ class PeerService:
         """Bytes of packed read replies still queued (`PACKED_REPLY_BYTES`)."""
         self._links: dict[str, PeerLink] = {}
         # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
-        self._local_link = LocalLink(self)
-        self.planes[LOCAL_PLANE] = LocalPlane(self, registry, executor)
+        self._local_link = LocalLink(self.welcome, self.producer.on_notify)
+        self.planes.by_name[LOCAL_PLANE] = LocalPlane(self.producer, registry, executor)
+        self._pulls = PullContext(
+            config=config,
+            registry=registry,
+            executor=executor,
+            daemon_id=self.daemon_id,
+            planes=self.planes,
+            link=self.link,
+            drop_link=self.drop_link,
+            emit=self.emit,
+            counts=self.counts,
+        )
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
@@ -139,24 +155,20 @@ class PeerService:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def ensure_nixl(self) -> None:
-        """Create the NIXL agent once, off the loop; remember a failure instead of retrying."""
-        # Under the lock, so that concurrent first pulls create one agent between them.
-        async with self._nixl_lock:
-            if self.nixl is not None or self._nixl_error is not None:
-                return
-            try:
-                # Creating an agent takes most of a second: keep the loop free meanwhile.
-                self.nixl = await asyncio.get_running_loop().run_in_executor(
-                    None,
-                    functools.partial(
-                        NixlPlane, self.daemon_id, wakeup_ms=self.config.peer_nixl_wakeup_ms
-                    ),
-                )
-                self.planes["nixl"] = self.nixl
-            except Exception as exc:
-                self._nixl_error = str(exc) or type(exc).__name__
-                log.info("NIXL not available (%s): peers use the ZMQ plane", exc)
+    @property
+    def pulls_total(self) -> int:
+        """Pulls run since the daemon started."""
+        return self.counts.pulls
+
+    @property
+    def pulls_failed_total(self) -> int:
+        """Pulls of which a request failed."""
+        return self.counts.failed
+
+    @property
+    def bytes_pulled_total(self) -> int:
+        """Bytes received by pulls."""
+        return self.counts.nbytes
 
     async def start(self) -> None:
         """Create the NIXL agent (if configured), bind the peer endpoint, start the lease sweep."""
@@ -166,10 +178,10 @@ class PeerService:
         # from the start to serve reads; in "auto" mode a daemon without a peer endpoint creates
         # its agent at its first pull instead (`ensure_nixl`), so one that never pulls has none.
         if cfg.peer_data_plane == "nixl" or (cfg.peer_data_plane == "auto" and cfg.peer_endpoint):
-            await self.ensure_nixl()
-            if self.nixl is None and cfg.peer_data_plane == "nixl":
+            await self.planes.ensure_nixl()
+            if self.planes.nixl is None and cfg.peer_data_plane == "nixl":
                 raise SystemExit(
-                    f"kvsidecar: peer_data_plane=nixl but NIXL fails: {self._nixl_error}"
+                    f"kvsidecar: peer_data_plane=nixl but NIXL fails: {self.planes.nixl_error}"
                 )
         if cfg.peer_keep_freed_memory:
             keep_freed_memory()  # received ZMQ-plane chunks land in warm pages
@@ -182,7 +194,9 @@ class PeerService:
             self._bind(self._ctx, self._transport, cfg.peer_endpoint)
             self._tasks.append(asyncio.create_task(self._serve(), name="peer-serve"))
             log.info(
-                "peer endpoint %s (planes: %s)", cfg.peer_endpoint, ", ".join(sorted(self.planes))
+                "peer endpoint %s (planes: %s)",
+                cfg.peer_endpoint,
+                ", ".join(sorted(self.planes.by_name)),
             )
         self._tasks.append(asyncio.create_task(self.producer.lease_loop(), name="peer-leases"))
 
@@ -215,17 +229,13 @@ class PeerService:
             self._sock = None
         await close_zap_and_context(self._zap, self._ctx)  # security
         self._zap, self._ctx = None, None
-        if self.nixl is not None:
-            self.nixl.close()
-
-    # ------------------------------------------------------------------ events
+        self.planes.close()
 
     def emit(self, event: PeerCompletion) -> None:
-        """Hand a completion event to `on_completion`, or queue it when no hook is set."""
-        if self.on_completion is not None:
-            self.on_completion(event)
-        else:
-            self.completions.append(event)
+        """Hand a completion event to the sink, and queue it for ``take_peer_events``."""
+        if self._sink is not None:
+            self._sink(event)
+        self.completions.append(event)
 
     def take_events(self, req: TakePeerEvents) -> PeerEvents:
         """Remove and return the queued events (of one engine, or all)."""
@@ -253,7 +263,7 @@ class PeerService:
         ``may_read(engine_id)``: whether the sender may read one of this daemon's engines; asked
         when the remote daemon turns out to be this one.
         """
-        return check_pull(self, req, remote_ids, local_ids, may_read).run()
+        return check_pull(self._pulls, req, remote_ids, local_ids, may_read).run()
 
     # ------------------------------------------------------------------ peer endpoint
 
@@ -297,7 +307,7 @@ class PeerService:
         packed = 0
         match msg:
             case PeerHello():
-                reply = self._welcome(msg)
+                reply = self.welcome(msg)
             case ReadBlocks():
                 reply, data = self.producer.read(msg, frames[2:])
                 if (
@@ -349,7 +359,12 @@ class PeerService:
             count = self.unreadable_total if what == "unreadable" else self.replies_dropped_total
             log.warning(text, count, detail)
 
-    def _welcome(self, msg: PeerHello) -> PeerWelcome | PeerError:
+    def welcome(self, msg: PeerHello) -> PeerWelcome | PeerError:
+        """Answer a handshake: this daemon's engines, data planes and verdicts on the claims.
+
+        The same answer for another node's daemon (on the peer endpoint) and for a pull from
+        this daemon itself (`kvsidecar.peer.local.LocalLink`); NIXL metadata when asked for.
+        """
         if msg.protocol_version != PEER_PROTOCOL_VERSION:
             return PeerError(
                 id=msg.id,
@@ -357,9 +372,9 @@ class PeerService:
                 message=f"peer protocol {msg.protocol_version}, this daemon speaks "
                 f"{PEER_PROTOCOL_VERSION}",
             )
-        nixl = self.nixl if msg.want_nixl else None
+        nixl = self.planes.nixl if msg.want_nixl else None
         if nixl is not None:
-            nixl.sync(self.registered_buffers())
+            nixl.sync(self.planes.registered_buffers())
 
         def addr(w: Worker, name: str) -> int:
             assert nixl is not None
@@ -375,19 +390,11 @@ class PeerService:
             protocol_version=PEER_PROTOCOL_VERSION,
             daemon_id=self.daemon_id,
             engines=engines,
-            planes=sorted(self.planes),
+            planes=sorted(self.planes.by_name),
             nixl_agent=self.daemon_id if nixl is not None else "",
             nixl_metadata=nixl.metadata() if nixl is not None else b"",
             verdicts=[self.producer.verdict(claim) for claim in msg.claims],
         )
-
-    def registered_buffers(self) -> list[tuple[Any, torch.Tensor]]:
-        """Every registered layer buffer, keyed as the NIXL agent registers it."""
-        return [
-            ((w.ref, name), lb.mapped.flat)
-            for w in self.registry.workers.values()
-            for name, lb in w.device.layers.items()
-        ]
 
     # ------------------------------------------------------------------ links
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.daemon.registry import LayerBuffer
+from kvsidecar.node.registry import LayerBuffer
 from kvsidecar.peer.link import Dest
 from kvsidecar.peer.messages import PeerError, ReadBlocks, ReadData
 from kvsidecar.peer.plan import ReadPlan

@@ -1,4 +1,4 @@
-"""Messages of the node's prefix cache and of engine connectors (`kvsidecar.daemon.cache`).
+"""Messages of the node's prefix cache and of engine connectors (`kvsidecar.daemon.cache.prefix`).
 
 Part of the control protocol (`kvsidecar.wire.protocol` puts them in its two unions): a lookup
 without state change, a store and a load between a worker's blocks and its namespace of the

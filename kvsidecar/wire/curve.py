@@ -2,7 +2,7 @@
 
 Key files use ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them); the secret
 file is written with mode 0600 and refused when others can read it. The daemon's side (the ZAP
-handler and the server sockets) is `kvsidecar.daemon.auth`.
+handler and the server sockets) is `kvsidecar.node.auth`.
 """
 
 from __future__ import annotations

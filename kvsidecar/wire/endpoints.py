@@ -30,7 +30,7 @@ def default_endpoint(env: Mapping[str, str] | None = None) -> str:
     """Return the endpoint a daemon started with this environment listens on.
 
     ``KVSIDECAR_ENDPOINT`` when set, else the control socket in ``KVSIDECAR_RUNTIME_DIR`` or the
-    default runtime directory: the rule `kvsidecar.daemon.config.Config` applies.
+    default runtime directory: the rule `kvsidecar.node.config.Config` applies.
     """
     environ = os.environ if env is None else env
     endpoint = environ.get("KVSIDECAR_ENDPOINT", "")

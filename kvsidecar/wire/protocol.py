@@ -339,7 +339,7 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     metrics_port: int = 0
     """Port of the daemon's HTTP endpoint (/metrics, /healthz, /readyz); 0 when it has none."""
     cache_namespaces: list[CacheNamespaceInfo] = []
-    """The prefix cache's namespaces (`kvsidecar.daemon.cache`)."""
+    """The prefix cache's namespaces (`kvsidecar.daemon.cache.prefix`)."""
     pulls_total: int = 0
     """Pulls into this daemon's engines (`kvsidecar.peer.pull`), local ones included."""
     pulls_failed_total: int = 0

@@ -22,9 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.daemon.config import Config
 from kvsidecar.daemon.server import Daemon
-from kvsidecar.daemon.settings import SETTINGS
+from kvsidecar.node.config import Config
+from kvsidecar.node.settings import SETTINGS
 from kvsidecar.wire.errors import SidecarError
 from tests.support import ROOT, python_env
 from tests.support.ports import is_port_clash, port_taken, reserve_port

@@ -85,7 +85,7 @@ def check_supported(vllm_config: Any) -> None:
     Sliding-window models are served, with a warning: vLLM turns its hybrid KV-cache manager
     off for this connector, so their sliding-window layers keep every token's KV, as full
     attention layers do. MLA under TP is served: its latent is stored once (the daemon's
-    `kvsidecar.daemon.cache`).
+    `kvsidecar.daemon.cache.prefix`).
     """
     parallel = vllm_config.parallel_config
     pp = int(getattr(parallel, "pipeline_parallel_size", 1))

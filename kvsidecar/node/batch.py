@@ -1,7 +1,7 @@
 """A `MoveBatch` checked item by item and run as one copy job.
 
 `prepare_batch` slices the batch's two id frames by item, checks each item as a `Move` of its
-own (`kvsidecar.daemon.jobs.prepare_move`: a typed error per item that fails, the others go on),
+own (`kvsidecar.node.jobs.prepare_move`: a typed error per item that fails, the others go on),
 and joins the items that pass into one `Job`: one hand-off to a copy thread for the whole batch,
 its blocks claimed at once (so it is ordered against other commands like one big move), its
 items run in order. `PreparedBatch.reply` builds the `MovedBatch` once the job has run.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvsidecar.daemon.jobs import Job, prepare_move
-from kvsidecar.daemon.registry import Registry
+from kvsidecar.node.jobs import Job, prepare_move
+from kvsidecar.node.registry import Registry
 from kvsidecar.wire.batch import MoveBatch, MovedBatch, MoveItem, MoveResult
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray

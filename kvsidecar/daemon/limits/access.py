@@ -55,7 +55,7 @@ from kvsidecar.wire.pulls import Publish, Pull, TakePeerEvents
 from kvsidecar.wire.types import WorkerRef
 
 if TYPE_CHECKING:
-    from kvsidecar.daemon.registry import Engine
+    from kvsidecar.node.registry import Engine
 
 
 _MAX_PRINCIPALS = 4096
@@ -295,7 +295,7 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
                 acl.check_same_user(who, req.remote_engine_id, "local pull")
         case Publish():
             acl.check(who, req.engine_id, write=False, what="publish")
-        # prefix cache: a namespace is its user's (kvsidecar/daemon/cache.py), so a lookup is
+        # prefix cache: a namespace is its user's (kvsidecar/daemon/cache/prefix.py), so a lookup is
         # anyone's; a store reads the worker's blocks, a load writes them.
         case CacheLookup():
             return

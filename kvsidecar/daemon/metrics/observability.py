@@ -1,8 +1,8 @@
 """The daemon's metrics and probes: what the metrics modules need from a running daemon.
 
-`kvsidecar.daemon.metrics` (the metrics), `kvsidecar.daemon.metrics_state` (the scrape-time state)
-and `kvsidecar.daemon.metrics_server` (the HTTP endpoint) know nothing of the daemon; this module
-is the glue, so that ``daemon.py`` only calls a handful of methods:
+`kvsidecar.daemon.metrics.families` (the metrics), `kvsidecar.daemon.metrics.state` (the scrape-time
+state) and `kvsidecar.daemon.metrics.server` (the HTTP endpoint) know nothing of the daemon; this
+module is the glue, so that ``daemon.py`` only calls a handful of methods:
 
 - `Observability` owns the daemon's `CollectorRegistry` (never the process-global one), its
   `DaemonMetrics` and, unless ``metrics_port`` is negative, its `MetricsServer`;
@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.metrics import DaemonMetrics, LayoutFixKind, MoveKind
-from kvsidecar.daemon.metrics_cache import CacheMetrics, CacheState
-from kvsidecar.daemon.metrics_server import MetricsServer, Readiness
-from kvsidecar.daemon.metrics_state import StateProvider, StateSnapshot
-from kvsidecar.daemon.registry import Registry
+from kvsidecar.daemon.metrics.cache import CacheMetrics, CacheState
+from kvsidecar.daemon.metrics.families import DaemonMetrics, LayoutFixKind, MoveKind
+from kvsidecar.daemon.metrics.server import MetricsServer, Readiness
+from kvsidecar.daemon.metrics.state import StateProvider, StateSnapshot
+from kvsidecar.node.config import Config
+from kvsidecar.node.registry import Registry
 from kvsidecar.wire.protocol import Error, Move, Reply
 from kvsidecar.wire.types import BufferDescriptor, BufferSetRef
 
@@ -44,7 +44,7 @@ log = logging.getLogger("kvsidecar.observability")
 
 
 class _HealthAdapter:
-    """Adapts a readiness callable to `kvsidecar.daemon.metrics_server.HealthProvider`."""
+    """Adapts a readiness callable to `kvsidecar.daemon.metrics.server.HealthProvider`."""
 
     def __init__(self, ready: Callable[[], Readiness]) -> None:
         self._ready = ready
@@ -148,7 +148,7 @@ def move_kind(src: BufferSetRef, dst: BufferSetRef) -> MoveKind:
 def fix_kind(src: BufferDescriptor, dst: BufferDescriptor) -> LayoutFixKind | None:
     """Which receive-side fix a raw copy from ``src`` into ``dst`` layout needs, if any.
 
-    Mirrors `kvsidecar.daemon.jobs`: a fix when the memory orders differ, or when the destination's
+    Mirrors `kvsidecar.node.jobs`: a fix when the memory orders differ, or when the destination's
     blocks hold several source blocks and are HND (token-major concatenation is then wrong).
     """
     if src.arrangement == "mla" or src.num_heads == 1:

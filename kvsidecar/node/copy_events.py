@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvsidecar.daemon.registry import BufferSet
 from kvsidecar.memory import cuda_ipc, cuda_sync
 from kvsidecar.memory.base import HandleError
+from kvsidecar.node.registry import BufferSet
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import MoveEvents
 

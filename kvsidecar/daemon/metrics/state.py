@@ -1,9 +1,9 @@
 """The live-state gauges of the daemon, read at scrape time rather than set on the hot path.
 
-Gauges that mirror live state (registered workers, host pool use, in-flight moves, ...) are not
-set by the daemon: `StateCollector`, registered by `kvsidecar.daemon.metrics.DaemonMetrics`, asks
-a `StateProvider` (the daemon) for a `StateSnapshot` at every scrape, so they can never drift from
-the truth. The gauges' reference is ``docs/metrics.md``.
+Gauges that mirror live state (registered workers, host pool use, in-flight moves, ...) are not set
+by the daemon: `StateCollector`, registered by `kvsidecar.daemon.metrics.families.DaemonMetrics`,
+asks a `StateProvider` (the daemon) for a `StateSnapshot` at every scrape, so they can never drift
+from the truth. The gauges' reference is ``docs/metrics.md``.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ import torch
 
 from kvsidecar.core import copier, integrity, mover
 from kvsidecar.core.fixes import fix_received, needs_fix
-from kvsidecar.daemon.copy_events import on_copy_streams
-from kvsidecar.daemon.registry import BufferSet, LayerBuffer, Registry
+from kvsidecar.core.mover import check_ids, check_range, check_unique
+from kvsidecar.node.copy_events import on_copy_streams
+from kvsidecar.node.registry import BufferSet, LayerBuffer, Registry
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import FixLayout, Move
@@ -53,53 +54,13 @@ class Job:
     """Short enough to run on the event loop (`CopyExecutor.submit`'s ``inline``)."""
 
 
+fine_small = mover.fine_small
+"""`kvsidecar.core.mover.fine_small`, the one-pass check of a few ids; short moves call it here."""
+
 INLINE_MAX_BYTES = 128 << 10
 """Plain CPU moves up to this size run on the event loop instead of a copy thread: copying
 128 KiB takes about as long as the hand-off to a thread and back (two wake-ups, ~30 µs), which
 is most of a 1-block move's time in the daemon. The loop is held no longer than that."""
-
-
-def _check_range(ids: IdArray, num_blocks: int, what: str) -> None:
-    if not ids.size:
-        return
-    if ids.size <= mover.SMALL_MOVE_IDS:  # numpy reductions cost more than a few ids
-        values = ids.tolist()
-        lo, hi = min(values), max(values)
-    else:
-        lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise SidecarError(
-            "out_of_range", f"{what} id {bad} is outside 0..{num_blocks - 1} ({num_blocks} blocks)"
-        )
-
-
-def _check_unique(ids: IdArray, what: str, num_blocks: int) -> None:
-    """Refuse an id that appears twice; ``ids`` are already checked to lie in 0..num_blocks-1."""
-    if ids.size <= 1:
-        return
-    if ids.size <= mover.SMALL_MOVE_IDS:
-        values = ids.tolist()
-        if len(set(values)) == len(values):
-            return
-    elif ids.size * 64 >= num_blocks:
-        # One flag per block rather than a sort: 4 µs instead of 86 for 1024 ids of 4096 blocks.
-        seen = np.zeros(num_blocks, dtype=np.bool_)
-        seen[ids] = True
-        if int(np.count_nonzero(seen)) == ids.size:
-            return
-    elif np.unique(ids).size == ids.size:
-        return
-    uniq, counts = np.unique(ids, return_counts=True)
-    raise SidecarError(
-        "duplicate_destination", f"{what} id {int(uniq[counts > 1][0])} appears twice"
-    )
-
-
-def _overlap(a: IdArray, b: IdArray) -> bool:
-    if a.size <= mover.SMALL_MOVE_IDS and b.size <= mover.SMALL_MOVE_IDS:
-        return not set(a.tolist()).isdisjoint(b.tolist())
-    return bool(np.intersect1d(a, b).size)
 
 
 def _select_layers(
@@ -330,10 +291,12 @@ def move_job(
     src_list = src_ids.tolist() if small else []
     dst_list = dst_ids.tolist() if small else []
     blocks = (pair.src_blocks, pair.dst_blocks)
+    same_set = src is dst
     if not (
-        small and fine_small(src_list, dst_list, ratio=ratio, blocks=blocks, same_set=src is dst)
+        small and fine_small(src_list, dst_list, ratio=ratio, blocks=blocks, same_set=same_set)
     ):
-        _check_ids(src, dst, src_ids, dst_ids, ratio)  # raises with the reason, or checks many
+        counts = (src.num_blocks, dst.num_blocks)  # raises with the reason, or checks many
+        check_ids(src_ids, dst_ids, blocks=counts, ratio=ratio, same_set=same_set)
     fixes = pair.fixes
     verification = integrity.Verification() if checksum else None
     copy: Callable[[], int]
@@ -384,43 +347,6 @@ def move_job(
     )
 
 
-def fine_small(
-    src: list[int], dst: list[int], *, ratio: int, blocks: tuple[int, int], same_set: bool
-) -> bool:
-    """Whether a few ids pass every check of `_check_ids` (one pass over plain lists).
-
-    False says only that `_check_ids` must look: it names what is wrong.
-    """
-    if not dst or len(src) != ratio * len(dst):
-        return False
-    if min(src) < 0 or max(src) >= blocks[0] or min(dst) < 0 or max(dst) >= blocks[1]:
-        return False
-    unique = set(dst)
-    return len(unique) == len(dst) and not (same_set and not unique.isdisjoint(src))
-
-
-def _check_ids(
-    src: BufferSet, dst: BufferSet, src_ids: IdArray, dst_ids: IdArray, ratio: int
-) -> None:
-    """Raise unless the ids pair up and lie in range, with unique destinations.
-
-    ``ratio`` source ids per destination id; a move within one buffer set may read no block it
-    writes.
-    """
-    if src_ids.size != ratio * dst_ids.size:
-        want = f"{ratio} x {dst_ids.size}" if ratio > 1 else str(dst_ids.size)
-        raise SidecarError(
-            "length_mismatch", f"{src_ids.size} source ids for {want} destination ids"
-        )
-    _check_range(src_ids, src.num_blocks, "source")
-    _check_range(dst_ids, dst.num_blocks, "destination")
-    _check_unique(dst_ids, "destination", dst.num_blocks)
-    if src is dst and _overlap(src_ids, dst_ids):
-        raise SidecarError(
-            "invalid_message", "source and destination blocks overlap in the same buffer set"
-        )
-
-
 def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
     """Check a fix-layout completely and return its job; raises `SidecarError` on any problem."""
     target = registry.buffer_set(cmd.target)
@@ -437,9 +363,9 @@ def prepare_fix(registry: Registry, cmd: FixLayout, ids: IdArray) -> Job:
                 f"block size {cmd.remote.block_size}",
             )
         ratio = desc.block_size // cmd.remote.block_size
-    _check_range(ids, target.num_blocks, "block")
+    check_range(ids, target.num_blocks, "block")
     # A block fixed twice would be scrambled, so duplicates are refused like in a move.
-    _check_unique(ids, "block", target.num_blocks)
+    check_unique(ids, "block", target.num_blocks)
     index = torch.from_numpy(ids.astype(np.int64))
     layers = [target.layers[n] for n in names]
     remote = cmd.remote.memory_order

@@ -4,11 +4,11 @@ prometheus_client's `Counter` and `Histogram` validate and take a lock per value
 a move's four updates and a command's two cost ~4 µs, 3-4% of a 1-block move's round trip
 (measured with the daemon, the echo and the client pinned, docs/benchmarks.md). A `Tally` keeps
 the same series as plain numbers, changed under one lock per record, and builds their metric
-families at each scrape, as `kvsidecar.daemon.metrics_state` does for the live-state gauges.
+families at each scrape, as `kvsidecar.daemon.metrics.state` does for the live-state gauges.
 
 Each series is a small list the recorder holds on to (`CounterFamily.cell`,
 `HistogramFamily.cell`), so that a record is a dict lookup and a few additions. The families'
-reference is ``docs/metrics.md``; `kvsidecar.daemon.metrics.DaemonMetrics` owns them.
+reference is ``docs/metrics.md``; `kvsidecar.daemon.metrics.families.DaemonMetrics` owns them.
 """
 
 from __future__ import annotations

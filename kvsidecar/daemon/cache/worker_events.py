@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from kvsidecar.daemon.registry import Registry
+from kvsidecar.node.registry import Registry
 from kvsidecar.wire.reports import PeerCompletion
 from kvsidecar.wire.types import WorkerRef
 

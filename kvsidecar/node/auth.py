@@ -35,7 +35,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.utils import z85
 
-from kvsidecar.daemon.config import Config, ConfigError
+from kvsidecar.node.config import Config, ConfigError
 from kvsidecar.wire.curve import KeyFileError, KeyPair, load_authorized_keys, load_keypair
 
 log = logging.getLogger("kvsidecar.auth")
@@ -88,7 +88,7 @@ class ZapHandler:
         self.policies: dict[str, DomainPolicy] = {}
         self.admission: dict[str, Callable[[bytes], str]] = {}
         """Per domain, a last say on an authenticated connection by its address: why to refuse
-        it ("" to let it in); `kvsidecar.daemon.connections.ConnectionCount.admit`."""
+        it ("" to let it in); `kvsidecar.daemon.limits.connections.ConnectionCount.admit`."""
         self.stats = ZapStats()
         self._logged: dict[str, float] = {}
 

@@ -26,12 +26,12 @@ blocks); it goes when its room is needed for a new one and none of its workers i
 When the namespaces in use leave a new one less than an equal share of ``cache_bytes``, those
 holding more are made again at an equal share, empty (a new model or a cache reset on the node).
 
-**Keys and slots** are kept by `kvsidecar.daemon.cache_index.CacheIndex`: a stored block is
+**Keys and slots** are kept by `kvsidecar.daemon.cache.index.CacheIndex`: a stored block is
 visible only once its copy has finished, and least recently used blocks are evicted when a
 namespace is full, never while a lookup's pin or a running load holds them.
 
 The command handlers (`CacheCommands`, a `kvsidecar.daemon.server.Daemon` mixin) run on the
-event loop; the copies run on the copy executor as ordinary move jobs (`kvsidecar.daemon.jobs`),
+event loop; the copies run on the copy executor as ordinary move jobs (`kvsidecar.node.jobs`),
 so they are ordered against every other copy of the same blocks.
 """
 
@@ -48,11 +48,11 @@ import msgspec
 import numpy as np
 
 from kvsidecar.core import layout
-from kvsidecar.daemon.cache_index import CacheIndex
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.metrics_cache import CacheMetrics, CacheState
-from kvsidecar.daemon.registry import BufferSet, Registry, Worker, check_epoch, host_buffer_set
+from kvsidecar.daemon.cache.index import CacheIndex
+from kvsidecar.daemon.metrics.cache import CacheMetrics, CacheState
 from kvsidecar.memory.host_pool import HostPool
+from kvsidecar.node.config import Config
+from kvsidecar.node.registry import BufferSet, Registry, Worker, check_epoch, host_buffer_set
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.types import BufferDescriptor, WorkerRef
 
@@ -148,7 +148,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ state
 
     def state(self) -> CacheState:
-        """Return what the gauges show (`kvsidecar.daemon.metrics_cache`)."""
+        """Return what the gauges show (`kvsidecar.daemon.metrics.cache`)."""
         spaces = self.namespaces.values()
         return CacheState(
             capacity_bytes=sum(ns.capacity_bytes for ns in spaces),

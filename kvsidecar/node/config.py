@@ -1,6 +1,6 @@
 """The daemon's settings as one frozen `Config`, validated once.
 
-Every setting is declared once in `kvsidecar.daemon.settings.SETTINGS` with its type, default
+Every setting is declared once in `kvsidecar.node.settings.SETTINGS` with its type, default
 and help text; this module parses values from a TOML file, the ``KVSIDECAR_*`` environment and
 flags into a `Config`, and checks at import that its fields match the table.
 
@@ -15,8 +15,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from kvsidecar.daemon.settings import SETTINGS, Setting
 from kvsidecar.memory.fd_limits import FdLimits
+from kvsidecar.node.settings import SETTINGS, Setting
 from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
 
 if sys.version_info >= (3, 11):

@@ -3,10 +3,10 @@
 `DaemonMetrics` defines every ``kvsidecar_*`` metric on an injected `CollectorRegistry` and offers
 cheap ``record_*`` methods for the hot path, on the daemon's event loop. Gauges that mirror live
 state (registered workers, host pool use, in-flight moves, ...) are not set by the daemon: the
-`kvsidecar.daemon.metrics_state` collector reads them from a `StateProvider` at scrape time, so
+`kvsidecar.daemon.metrics.state` collector reads them from a `StateProvider` at scrape time, so
 they can never drift from the truth.
 
-The HTTP endpoint that serves the registry (and the probes) is `kvsidecar.daemon.metrics_server`.
+The HTTP endpoint that serves the registry (and the probes) is `kvsidecar.daemon.metrics.server`.
 The metric reference, with example PromQL, is ``docs/metrics.md``.
 """
 
@@ -23,8 +23,8 @@ from typing import Final, Literal, TypeVar, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvsidecar import __version__
-from kvsidecar.daemon.metrics_state import StateCollector, StateProvider
-from kvsidecar.daemon.metrics_tally import CounterFamily, HistogramFamily, Tally
+from kvsidecar.daemon.metrics.state import StateCollector, StateProvider
+from kvsidecar.daemon.metrics.tally import CounterFamily, HistogramFamily, Tally
 
 __all__ = [
     "COMMAND_DURATION_BUCKETS",
@@ -249,7 +249,7 @@ class DaemonMetrics:
     """Every ``kvsidecar_*`` metric, on an injected registry.
 
     The ``record_*`` methods cost a dict lookup and a few additions under one lock once a label
-    set has been seen (`kvsidecar.daemon.metrics_tally`); `record_command` may be called from
+    set has been seen (`kvsidecar.daemon.metrics.tally`); `record_command` may be called from
     any thread, the others from the event loop.
     Label values outside the documented sets raise `ValueError` on first use, so that a typo cannot
     mint a new series.

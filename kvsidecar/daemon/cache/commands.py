@@ -4,7 +4,8 @@ A lookup is answered inline (bookkeeping only). A store or a load is checked, it
 and its copy run as an ordinary move job (`kvsidecar.daemon.runner.JobRunner`: admission, hazard
 ordering, release of departed workers); it is answered from the event loop once the index knows
 the outcome (the runner's ``finish``), never from the copy thread, so that a lookup read after a
-store's reply sees the stored blocks. The namespaces themselves are `kvsidecar.daemon.cache`'s.
+store's reply sees the stored blocks. The namespaces themselves are
+`kvsidecar.daemon.cache.prefix`'s.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import dataclasses
 import time
 from typing import Any
 
-from kvsidecar.daemon.cache import Namespace, PrefixCache, slot_ids, split_keys, worker_of
-from kvsidecar.daemon.config import Config
-from kvsidecar.daemon.copy_events import cuda_devices, event_device
-from kvsidecar.daemon.jobs import Job, move_job
+from kvsidecar.daemon.cache.prefix import Namespace, PrefixCache, slot_ids, split_keys, worker_of
 from kvsidecar.daemon.moves import Moves
-from kvsidecar.daemon.registry import Registry
 from kvsidecar.daemon.runner import Answer, JobRunner
+from kvsidecar.node.config import Config
+from kvsidecar.node.copy_events import cuda_devices, event_device
+from kvsidecar.node.jobs import Job, move_job
+from kvsidecar.node.registry import Registry
 from kvsidecar.wire.cache import (
     CacheHits,
     CacheLoad,

@@ -3,8 +3,9 @@
 `MetricsServer` is a tiny HTTP/1.1 server on ``asyncio.start_server``, owned by the daemon and
 living on its event loop: one short request per connection, bounded in size and time, answered
 from the loop without threads. ``/metrics`` encodes whatever `CollectorRegistry` it is given (the
-metrics themselves are defined in `kvsidecar.daemon.metrics`); a watchdog task measures event-loop
-lag for ``/healthz``; ``/readyz`` decides on the `Readiness` facts a `HealthProvider` returns.
+metrics themselves are defined in `kvsidecar.daemon.metrics.families`); a watchdog task
+measures event-loop lag for ``/healthz``; ``/readyz`` decides on the `Readiness` facts a
+`HealthProvider` returns.
 
 The endpoint's reference, with the probes' semantics, is ``docs/metrics.md``.
 """

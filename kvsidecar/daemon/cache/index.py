@@ -1,7 +1,7 @@
 """The content index of one prefix-cache namespace: block key -> slot, LRU, pins. Pure.
 
-A namespace (`kvsidecar.daemon.cache`) owns ``capacity`` slots of host memory, each holding one
-KV block. This index says which key (vLLM's block hash) lives in which slot and in what state:
+A namespace (`kvsidecar.daemon.cache.prefix`) owns ``capacity`` slots of host memory, each holding
+one KV block. This index says which key (vLLM's block hash) lives in which slot and in what state:
 
 - **filling**: a store is copying the block in; invisible to lookups and loads, never evicted;
 - **ready**: the copy finished (`CacheIndex.commit`); lookups count it, loads read it, and it is

@@ -74,8 +74,8 @@ class LayerBuffer:
 class BufferSet:
     """A worker's layers in one medium (its registered memory, or its host mirror).
 
-    A prefix-cache namespace (`kvsidecar.daemon.cache`) is a buffer set too, keyed by a name of
-    its own and the medium ``"cache"``.
+    A prefix-cache namespace (`kvsidecar.daemon.cache.prefix`) is a buffer set too, keyed by a
+    name of its own and the medium ``"cache"``.
     """
 
     key: tuple[WorkerRef, str]
@@ -208,7 +208,7 @@ class Registry:
         self.engines: dict[str, Engine] = {}
         self.workers: dict[WorkerRef, Worker] = {}
         self.derived: dict[Hashable, object] = {}
-        """What commands compute from registered buffers and reuse (`kvsidecar.daemon.jobs` move
+        """What commands compute from registered buffers and reuse (`kvsidecar.node.jobs` move
         plans). Emptied on every `add` and `remove`, so nothing in it outlives a release or
         refers to a replaced registration."""
 

@@ -2,7 +2,7 @@
 
 The same table gives the TOML keys, the ``KVSIDECAR_*`` environment variables and (in the CLI)
 the command-line flags and ``--help``, so a setting cannot exist in one place and be missing in
-another. `kvsidecar.daemon.config.Config` holds the values, checked against this table at import.
+another. `kvsidecar.node.config.Config` holds the values, checked against this table at import.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
         "them yet, all connections together; beyond it such requests get a busy error.",
     ),
-    # --- connection limits (kvsidecar/memory/fd_limits.py, daemon/connections.py) ---
+    # --- connection limits (kvsidecar/memory/fd_limits.py, daemon/limits/connections.py) ---
     Setting(
         "max_connections",
         int,
@@ -302,7 +302,7 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "How long received fds wait for their registration before they are closed.",
     ),
-    # --- prefix cache (kvsidecar/daemon/cache.py) ---
+    # --- prefix cache (kvsidecar/daemon/cache/prefix.py) ---
     Setting(
         "cache_bytes",
         int,

@@ -1,8 +1,8 @@
-"""Prometheus metrics of the node's prefix cache (`kvsidecar.daemon.cache`).
+"""Prometheus metrics of the node's prefix cache (`kvsidecar.daemon.cache.prefix`).
 
 Counters are recorded on the event loop as lookups, stores and loads end; the gauges (capacity,
 bytes and blocks held, namespaces, pinned blocks) are read from the cache at scrape time by a
-collector, like `kvsidecar.daemon.metrics_state`'s, so they never drift from the truth. Defined on
+collector, like `kvsidecar.daemon.metrics.state`'s, so they never drift from the truth. Defined on
 the daemon's own `CollectorRegistry`; the reference is ``docs/metrics.md``.
 """
 
@@ -15,7 +15,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from kvsidecar.daemon.metrics import NAMESPACE
+from kvsidecar.daemon.metrics.families import NAMESPACE
 
 Direction = Literal["store", "load"]
 """Into the cache (a worker's blocks stored) or out of it (loaded into a worker's blocks)."""
