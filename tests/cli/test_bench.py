@@ -28,7 +28,7 @@ from kvsidecar.bench.common import (
 )
 from kvsidecar.bench.workload import id_sets
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "--quick",
     "--layers", "2",

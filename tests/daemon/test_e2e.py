@@ -1,7 +1,7 @@
 """End to end: a daemon process, separately spawned worker processes, real shared memory.
 
 Every move's bytes are checked against an expectation computed here with plain indexing from
-the workers' seeds (`tests.helpers.kv_worker.expected_layer`), not from the daemon's code.
+the workers' seeds (`tests.procs.kv_worker.expected_layer`), not from the daemon's code.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient, WorkerRef
 from kvsidecar.memory import allocate_kv_caches
-from tests.helpers.kv_worker import expected_layer
+from tests.procs.kv_worker import expected_layer
 from tests.support.children import WorkerProcess, workers
 from tests.support.daemons import daemon_process, make_config, run_daemon
 from tests.support.procfs import memfd_mappings, shm_entries

@@ -2,7 +2,7 @@
 
 Each test bounds every wait, checks that every command got an outcome (a reply, or a typed
 error), that no ``/dev/shm`` entry is left behind and that the daemon's memory returns to its
-baseline. The peer daemon killed mid-pull is covered by tests/test_peer_faults.py.
+baseline. The peer daemon killed mid-pull is covered by tests/peer/test_faults.py.
 """
 
 from __future__ import annotations

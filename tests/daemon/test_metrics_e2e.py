@@ -23,7 +23,7 @@ import torch
 
 from kvsidecar.client import AsyncSidecarClient, SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
-from tests.helpers.report_worker import CACHE_SHAPE
+from tests.procs.report_worker import CACHE_SHAPE
 from tests.support.children import ReportWorker, all_ready
 from tests.support.daemons import DaemonProcess, daemon_process, make_config, run_daemon
 from tests.support.ports import reserve_port

@@ -24,8 +24,8 @@ from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.peer.nixl_plane import nixl_available
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Moved, Register
 from kvsidecar.wire.types import BufferDescriptor, LayerSpec, ShmRef
-from tests.helpers.raw import Raw, ids, sealed_memfd, send_fds_raw
 from tests.support.daemons import DaemonProcess, daemon_process, make_config, peer_daemon
+from tests.support.raw import Raw, ids, sealed_memfd, send_fds_raw
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -180,7 +180,7 @@ PLANES = [
     pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no nixl")),
 ]
 # (arrangement, producer order, consumer order, producer TP, consumer TP, block-size ratio);
-# heterogeneous TP needs an HND producer (NHD ones are refused, tests/test_plan.py).
+# heterogeneous TP needs an HND producer (NHD ones are refused, tests/peer/test_plan.py).
 REMOTE = [
     (arr, *case)
     for arr in ("blocks_first", "split")
@@ -205,7 +205,7 @@ def test_remote_pulls_lay_tokens_end_to_end(
     c_tp: int,
     ratio: int,
 ) -> None:
-    """The same check on a pull between two daemons (tests/test_peer.py covers kv_first)."""
+    """The same check on a pull between two daemons (tests/peer/test_pulls.py covers kv_first)."""
     producer, consumer = peers
     dtype = torch.bfloat16
     src = _Engine(producer.config.endpoint, arrangement, SRC_TOKENS, p_order, dtype, p_tp)

@@ -1,6 +1,7 @@
 """Reliability inside one daemon: epochs, bounded queues, integrity checks, failed moves.
 
-The process-killing fault tests are in tests/test_faults.py; the fuzzer in tests/test_fuzz.py.
+The process-killing fault tests are in tests/daemon/test_faults.py; the fuzzer in
+tests/hostile/test_fuzz.py.
 """
 
 from __future__ import annotations

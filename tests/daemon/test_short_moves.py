@@ -7,7 +7,7 @@ general path: out-of-range, repeated and overlapping ids, length mismatches, an 
 stale epoch, a forbidden engine, negative ids, more ids than a short move, a first move of a new
 layer list (no cached plan yet), and host-pool moves. Every reply, every byte of every cache, the
 daemon's totals, its move and command metrics and the engines' completions must agree. (A short
-move on blocks of a job in flight waits for it: tests/test_daemon_e2e.py,
+move on blocks of a job in flight waits for it: tests/daemon/test_e2e.py,
 `test_short_move_on_blocks_of_a_running_move_applies_after_it`.)
 """
 

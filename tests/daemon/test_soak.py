@@ -1,6 +1,6 @@
 """Load: 8 worker processes moving blocks and reporting completions against one daemon.
 
-Each worker (a `tests.helpers.fault_worker`, one TP rank of engine ``soak``) loops: an offload
+Each worker (a `tests.procs.fault_worker`, one TP rank of engine ``soak``) loops: an offload
 of its own blocks, then a report of step ``s`` naming request ``req<s>`` as finished sending. The
 test is the scheduler: it collects the engine's completions step by step. A request is finished
 when all 8 ranks named it, so every ``req<s>`` that all ranks reached must come out exactly once

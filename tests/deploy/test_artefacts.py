@@ -414,7 +414,7 @@ def test_podmonitor_scrapes_every_sidecar_as_its_own_job() -> None:
 
 def test_sidecars_run_in_a_subdirectory_of_their_emptydir() -> None:
     """kubelet makes an emptyDir root-owned, mode 0777: the daemon refuses it, and creates a
-    subdirectory of it as its own (tests/test_deploy_start.py starts one that way)."""
+    subdirectory of it as its own (tests/deploy/test_start.py starts one that way)."""
     configs = {
         d["metadata"]["name"]: tomllib.loads(d["data"]["kvsidecar.toml"])
         for d in _by_kind("ConfigMap")

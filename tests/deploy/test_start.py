@@ -71,7 +71,7 @@ def node_dir() -> Iterator[Path]:
 
 def _engine_reaches_daemon(uid: int, config: Config) -> dict[str, Any]:
     """Hello and the fd channel from a process running as ``uid`` (the engine's)."""
-    helper = [sys.executable, "-m", "tests.helpers.uid_client", str(uid)]
+    helper = [sys.executable, "-m", "tests.procs.uid_client", str(uid)]
     proc = subprocess.run(
         [*helper, config.endpoint, config.fd_socket],
         cwd=ROOT,

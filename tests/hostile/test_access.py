@@ -3,7 +3,7 @@
 A real daemon process serves the test's own uid (root here) and ``nobody``; its sockets are
 opened up so that the uid allow-list and the engine checks are all that stand between them. The
 victim is an engine of root, registered with raw requests, its memory a sealed memfd full of
-0xAB. The intruder is a `tests.helpers.intruder` process that dropped to ``nobody`` and speaks
+0xAB. The intruder is a `tests.procs.intruder` process that dropped to ``nobody`` and speaks
 raw ZeroMQ and raw SCM_RIGHTS; after every attack its own memory (0x11) must hold no byte of the
 victim's and the victim's memory must be unchanged. The peer plane is attacked too, with a raw
 DEALER on the daemon's peer endpoint (holding the cluster key, as another daemon would).
@@ -43,10 +43,10 @@ from kvsidecar.wire.protocol import (
 )
 from kvsidecar.wire.pulls import Publish, Pull, PullItem, TakePeerEvents
 from kvsidecar.wire.types import BufferSetRef, LayoutSpec, WorkerRef
-from tests.helpers.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, cluster_key, make_config
 from tests.support.ports import tcp_endpoint
+from tests.support.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -60,7 +60,7 @@ VICTIM, MINE = 0xAB, 0x11
 
 
 class Intruder(LineChild):
-    """The `tests.helpers.intruder` child (uid nobody), one JSON command per line."""
+    """The `tests.procs.intruder` child (uid nobody), one JSON command per line."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         super().__init__("intruder", json.dumps(spec), name="intruder")

@@ -14,9 +14,9 @@ from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarError, Wor
 from kvsidecar.daemon.config import Config
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Hello, Move
-from tests.helpers.raw import raw_call
 from tests.support.daemons import make_config, run_daemon
 from tests.support.ids import id_frame
+from tests.support.raw import raw_call
 
 pytestmark = pytest.mark.timeout(30)
 

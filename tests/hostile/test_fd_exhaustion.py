@@ -1,6 +1,6 @@
 """The fd channel cannot exhaust the daemon's descriptors, and their shortage punishes nobody.
 
-Attacks from outside the client: a hoarder process (`tests.helpers.attacker`, raw Unix sockets
+Attacks from outside the client: a hoarder process (`tests.procs.attacker`, raw Unix sockets
 with SCM_RIGHTS) that opens hundreds of connections, sends thousands of fds it never claims and
 leaves half-open connections; and a daemon process whose ``RLIMIT_NOFILE`` the test lowers under
 it (``prlimit``), so that the kernel truncates a worker's message and ``accept`` meets EMFILE.

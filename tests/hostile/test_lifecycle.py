@@ -23,9 +23,9 @@ import pytest
 
 from kvsidecar.daemon.config import Config
 from kvsidecar.wire.protocol import Status, StatusReply
-from tests.helpers.raw import Raw
 from tests.support import ROOT
 from tests.support.daemons import config_env, daemon_process, make_config
+from tests.support.raw import Raw
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,8 @@ import pytest
 
 from kvsidecar.wire.protocol import Error, Move, Moved, Registered, Status, StatusReply
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
-from tests.helpers.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ reading), an fd hoarder (hundreds of fd-channel connections, thousands of unclai
 connections, reconnecting throughout), a slow reader (requests whose replies it never reads) and a
 shrinking worker (registers an unsealed memfd and truncates it under the daemon's mapping, then
 asks for moves out of it) attack one daemon process for ``KVSIDECAR_MIXED_S`` seconds (default
-60). Meanwhile 8 worker processes (TP ranks of engine ``honest``, `tests.helpers.fault_worker` in
+60). Meanwhile 8 worker processes (TP ranks of engine ``honest``, `tests.procs.fault_worker` in
 ``verify`` mode) move their blocks device -> host -> device and check every element against what
 they wrote, and report each step's request as finished; the test, as the scheduler, collects.
 
@@ -184,7 +184,8 @@ def _check(
     assert not dup, f"duplicated completions: {dup}"
     assert len(expected) > 10, f"only {len(expected)} steps completed"
     # /healthz is reported, not asserted here: with 14 busy processes on 2 cores the OS alone can
-    # hold the daemon off a core for a second (tests/test_starvation.py asserts it per attack).
+    # hold the daemon off a core for a second (tests/hostile/test_starvation.py asserts it per
+    # attack).
 
 
 def _figures(

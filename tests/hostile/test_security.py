@@ -47,7 +47,7 @@ async def _as_nobody(config: Config) -> dict[str, Any]:
         [
             sys.executable,
             "-m",
-            "tests.helpers.uid_client",
+            "tests.procs.uid_client",
             str(NOBODY),
             config.endpoint,
             config.fd_socket,

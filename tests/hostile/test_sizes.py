@@ -29,9 +29,9 @@ from kvsidecar.wire.protocol import (
     StatusReply,
 )
 from kvsidecar.wire.types import LayerSpec, ShmRef, WorkerRef
-from tests.helpers.raw import Raw, kv_descriptor, register_fd, sealed_memfd, send_fds_raw
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
 from tests.support.procfs import rss_mib
+from tests.support.raw import Raw, kv_descriptor, register_fd, sealed_memfd, send_fds_raw
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,10 +1,10 @@
 """No client can starve the daemon: floods on the control socket, the peer socket, the metrics port.
 
-Every attack comes from a separate process with raw sockets (`tests.helpers.attacker`) against a
+Every attack comes from a separate process with raw sockets (`tests.procs.attacker`) against a
 real daemon process; the test is the victim, also from outside: fresh connections asking for
 status, raw ``/healthz`` probes, and a worker whose death must still release it on time. Bounds
 are liveness bounds (seconds), generous for a loaded 2-core machine; the figures are printed for
-docs/reliability.md. The fd channel's attacks are in tests/test_fd_exhaustion.py.
+docs/reliability.md. The fd channel's attacks are in tests/hostile/test_fd_exhaustion.py.
 """
 
 from __future__ import annotations

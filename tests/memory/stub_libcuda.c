@@ -5,7 +5,7 @@
  * cuMemAddressReserve reserves address space (PROT_NONE), cuMemMap maps the memfd there, and
  * cuMemUnmap / cuMemAddressFree undo it. So bytes written through the exporter's mapping are read
  * through the importer's, fds can be counted, and every argument crosses ctypes exactly as it
- * would to the real driver. Built by tests/test_cuda.py with the system C compiler.
+ * would to the real driver. Built by tests/memory/test_cuda_vmm.py with the system C compiler.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -37,9 +37,9 @@ from kvsidecar.wire.cache import CacheLoad, CacheStore
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Register, Registered
 from kvsidecar.wire.pulls import Pull
 from kvsidecar.wire.types import BufferDescriptor, CudaIpcRef, LayerSpec, MoveEvents
-from tests.helpers import cuda_engine
-from tests.helpers.raw import raw_call
+from tests.procs import cuda_engine
 from tests.support.daemons import daemon_process, make_config, run_daemon
+from tests.support.raw import raw_call
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -420,7 +420,7 @@ async def test_stores_loads_and_pulls_carry_the_ready_event_and_cpu_memory_refus
 
 
 def test_engine_roundtrip_check_logic_on_cpu() -> None:
-    """tests/helpers/cuda_engine.py's roundtrip (run on GPUs by test_gpu.py and gpu_check.sh)
+    """tests/procs/cuda_engine.py's roundtrip (run on GPUs by test_gpu.py and gpu_check.sh)
     passes on CPU memory and fails when a block is wrong, so a GPU verdict means something."""
     cpu = torch.device("cpu")
     with daemon_process(make_config(host_pool_bytes=16 << 20)) as daemon:
@@ -434,7 +434,7 @@ def test_engine_roundtrip_check_logic_on_cpu() -> None:
 
 
 def test_engine_connector_check_logic_on_cpu() -> None:
-    """tests/helpers/cuda_engine.py's connector check (vLLM 0.31+'s GPU views through the
+    """tests/procs/cuda_engine.py's connector check (vLLM 0.31+'s GPU views through the
     connector's worker half; run on GPUs by test_gpu.py) passes on CPU memory."""
     with daemon_process(make_config(host_pool_bytes=16 << 20, cache_bytes=8 << 20)) as daemon:
         result = cuda_engine.connector(daemon.config.endpoint, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """The CUDA VMM path without a GPU: planning, refusals, ctypes plumbing, fd bookkeeping.
 
-`kvsidecar.memory.cuda_driver` is exercised against ``tests/helpers/stub_libcuda.c``, compiled
+`kvsidecar.memory.cuda_driver` is exercised against ``tests/memory/stub_libcuda.c``, compiled
 here: a library with the driver's CUDA 12 prototypes whose "device memory" is memfd-backed host
 memory, so that an export, the fds crossing a real fd channel, the import, the mapping and the
 unmapping run end to end with real fds and real bytes. The real driver is test_gpu.py's.
@@ -39,7 +39,7 @@ from tests.support.daemons import make_config, run_daemon
 
 pytestmark = pytest.mark.timeout(60)
 
-HELPERS = Path(__file__).parent / "helpers"
+STUB_SOURCE = Path(__file__).parent / "stub_libcuda.c"
 GPU0 = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 GPU1 = "GPU-ffeeddcc-9999-8888-7777-666655554444"
 CHUNK = 64 << 10
@@ -137,7 +137,7 @@ def stub_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     out = tmp_path_factory.mktemp("stub") / "libcuda_stub.so"
     subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-o", str(out), str(HELPERS / "stub_libcuda.c")],
+        [compiler, "-shared", "-fPIC", "-O1", "-o", str(out), str(STUB_SOURCE)],
         check=True,
         timeout=60,
     )

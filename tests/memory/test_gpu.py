@@ -2,8 +2,9 @@
 
 The daemon is always a process of its own (CUDA IPC cannot open a handle in the process that
 exported it), and so is each engine that needs its own environment (allocator settings,
-``CUDA_VISIBLE_DEVICES``): tests/helpers/cuda_engine.py, whose checks tests/test_cuda_ipc.py runs
-on CPU memory too. Every result is compared element by element with its source.
+``CUDA_VISIBLE_DEVICES``): tests/procs/cuda_engine.py, whose checks
+tests/memory/test_cuda_ipc.py runs on CPU memory too. Every result is compared element by element
+with its source.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def gpu_daemon(env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
 
 
 def engine(check: str, daemon: DaemonProcess, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one tests/helpers/cuda_engine.py check as its own process; its JSON verdict."""
+    """Run one tests/procs/cuda_engine.py check as its own process; its JSON verdict."""
     endpoint = daemon.config.endpoint
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "helpers" / "cuda_engine.py"), check, endpoint],
+        [sys.executable, str(ROOT / "tests" / "procs" / "cuda_engine.py"), check, endpoint],
         input="",
         capture_output=True,
         text=True,

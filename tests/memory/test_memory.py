@@ -1,6 +1,6 @@
 """kvsidecar.memory: shared buffers between unrelated processes, the fd channel, the host pool.
 
-Real processes, real shared memory: the worker and daemon stand-ins under tests/helpers are
+Real processes, real shared memory: the worker and daemon stand-ins under tests/procs are
 started with subprocess (no fork, nothing inherited but stdin/stdout).
 """
 

@@ -3,7 +3,7 @@
 The producer publishes a request's blocks, the consumer's worker pulls them through the same
 daemon, the producer's worker learns ``finished_sending`` from its own event queue
 (``take_worker_events``). Bytes are compared with the producer's, block by block, and token by
-token across block sizes (`tests.test_vllm_cpu_layout` writes the expectation from the layout's
+token across block sizes (`tests.vllm.test_cpu_layout` writes the expectation from the layout's
 definition).
 """
 
@@ -177,7 +177,7 @@ def test_another_user_sees_no_cache_and_pulls_nothing() -> None:
                 "request": "req",
             }
             proc = subprocess.run(
-                [sys.executable, "-m", "tests.helpers.cache_user", json.dumps(spec)],
+                [sys.executable, "-m", "tests.procs.cache_user", json.dumps(spec)],
                 check=False,
                 cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -6,7 +6,7 @@ busy-polls a core for the agent's whole life. The daemon creates its agent with 
 workers' event fds between transfers. Measured here on a real daemon process: its CPU time
 over an idle second and a half, with the default and with 0 (NIXL's own busy poll, the control
 that shows the measurement can tell the two apart). That pulls over NIXL still arrive, byte by
-byte, is `tests/test_peer.py`'s part (its NIXL cases run with the default).
+byte, is `tests/peer/test_pulls.py`'s part (its NIXL cases run with the default).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 from kvsidecar.client import SidecarClient
 from kvsidecar.peer.nixl_plane import nixl_available
 from kvsidecar.wire.errors import SidecarError
-from tests.helpers.peer_worker import global_layer, rank_heads, rank_values
+from tests.procs.peer_worker import global_layer, rank_heads, rank_values
 from tests.support.children import peer_workers
 from tests.support.daemons import peer_daemon
 from tests.support.ports import tcp_endpoint

@@ -1,1 +1,1 @@
-"""Subprocess entry points for tests that need a second, unrelated process."""
+"""Child processes of the tests: each module is run as ``python -m tests.procs.<name>``."""

@@ -1,6 +1,6 @@
 """A hostile local process: attacks a daemon from outside the project's client, with raw sockets.
 
-Run as ``python -m tests.helpers.attacker '<json spec>'`` (`tests.support.attack.Attacker`). It sets
+Run as ``python -m tests.procs.attacker '<json spec>'`` (`tests.support.attack.Attacker`). It sets
 up, prints ``ready``, attacks until stdin says ``exit`` (or closes) or ``seconds`` pass, then prints
 one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
 

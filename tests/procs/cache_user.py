@@ -1,6 +1,6 @@
 """An engine worker of another uid: what may it see of, or take from, this uid's engines?
 
-Run as root: ``python -m tests.helpers.cache_user '<json spec>'``. It allocates its KV caches and
+Run as root: ``python -m tests.procs.cache_user '<json spec>'``. It allocates its KV caches and
 imports everything first, drops to ``spec["uid"]``, registers as engine ``spec["engine"]``, then
 answers, as one JSON line: how many of ``spec["keys"]`` (hex) its lookup of
 ``spec["fingerprint"]`` hits, what storing ``spec["store_keys"]`` there says, and what a local

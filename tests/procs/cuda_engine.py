@@ -1,11 +1,11 @@
 """A stand-in GPU engine: runs one check against a daemon the way an engine would.
 
-    python tests/helpers/cuda_engine.py CHECK ENDPOINT [--device cuda|cpu]
+    python tests/procs/cuda_engine.py CHECK ENDPOINT [--device cuda|cpu]
 
 Prints one JSON line ``{"check", "ok", "detail", ...}`` and exits 0 when the check passed. Used
-by tests/test_gpu.py (the daemon is always another process: CUDA IPC cannot open a handle in
+by tests/memory/test_gpu.py (the daemon is always another process: CUDA IPC cannot open a handle in
 the process that exported it) and benchmarks/gpu_check.sh; ``--device cpu`` runs the same steps
-on shared CPU memory, which is how tests/test_cuda_vmm.py checks this script's own logic.
+on shared CPU memory, which is how tests/memory/test_cuda_vmm.py checks this script's own logic.
 
 Checks:
 - ``roundtrip``: engine A (NHD) -> A's host mirror -> engine B (HND: the daemon fixes the layout

@@ -1,6 +1,6 @@
 """A stand-in GPU engine worker: exports CUDA tensors by IPC handle (needs CUDA).
 
-    python tests/helpers/cuda_worker.py
+    python tests/procs/cuda_worker.py
 
 Prints the handles (JSON list) of three layers carved from one CUDA tensor, layer i filled with
 i + 1, then serves "get I K", "set I K V" and "quit" on stdin like shm_worker.py.

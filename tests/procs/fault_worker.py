@@ -1,6 +1,6 @@
 """An engine worker that keeps moving its own blocks and logs every outcome (fault tests, soak).
 
-Run as ``python -m tests.helpers.fault_worker '<json spec>'``. It registers one engine rank in
+Run as ``python -m tests.procs.fault_worker '<json spec>'``. It registers one engine rank in
 shared memory (with host blocks), prints ``ready``, then loops until stdin closes or says
 ``exit``: one offload (device -> host) per iteration, each with a unique request id. Every
 outcome is one JSON line on stdout: ``{"i": n, "ok": true, "s": latency}`` or

@@ -1,8 +1,8 @@
 """A hostile local user: a process of another uid that attacks the daemon with raw requests.
 
-Run as root: ``python -m tests.helpers.intruder '<json spec>'`` with ``{"uid", "endpoint",
+Run as root: ``python -m tests.procs.intruder '<json spec>'`` with ``{"uid", "endpoint",
 "fd_socket"}``. It imports everything first, drops to ``uid``, makes its own memory (a sealed
-memfd filled with 0x11, the shape of `tests.helpers.raw.kv_descriptor`) and then obeys JSON
+memfd filled with 0x11, the shape of `tests.support.raw.kv_descriptor`) and then obeys JSON
 command lines on stdin, answering one JSON line each:
 
 - ``{"op": "register", "engine", "tp_rank", "tp_size", "host_blocks"}``: register its memory;
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from tests.helpers.raw import Raw, kv_descriptor, register_fd, sealed_memfd
+from tests.support.raw import Raw, kv_descriptor, register_fd, sealed_memfd
 
 
 def _reply(raw: Raw, header: bytes, frames: list[bytes]) -> dict[str, Any]:

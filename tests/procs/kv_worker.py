@@ -1,6 +1,6 @@
 """An engine-worker process for end-to-end tests: allocate, fill, register, then obey stdin.
 
-Run as ``python -m tests.helpers.kv_worker '<json spec>'``. It allocates its KV caches in shared
+Run as ``python -m tests.procs.kv_worker '<json spec>'``. It allocates its KV caches in shared
 memory in the requested memory order, fills them with values that `expected_layer` recomputes
 in the test, registers them with the daemon, prints ``ready`` and then reads commands from stdin:
 

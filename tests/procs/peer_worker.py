@@ -1,6 +1,6 @@
 """Engine workers for the peer tests: one process registers several engines and TP ranks.
 
-Run as ``python -m tests.helpers.peer_worker '<json spec>'``. The spec has ``endpoints`` (one
+Run as ``python -m tests.procs.peer_worker '<json spec>'``. The spec has ``endpoints`` (one
 client per daemon, every engine registered with each) and ``engines``, each a dict:
 ``engine``, ``seed``, ``tp_size``, ``layers``, ``blocks``, ``block_size``, ``heads`` (total KV
 heads), ``head_size``, ``order`` (NHD/HND), ``arrangement`` (kv_first or mla), ``model_hash``,

@@ -1,6 +1,6 @@
 """An engine worker for aggregation tests: registers a small KV cache, then reports steps.
 
-Run as ``python -m tests.helpers.report_worker '<json spec>'`` (spec: ``endpoint``, ``engine``,
+Run as ``python -m tests.procs.report_worker '<json spec>'`` (spec: ``endpoint``, ``engine``,
 ``tp_rank``, ``tp_size``, ``host_blocks``). Prints ``ready``, then obeys one JSON command per
 stdin line and answers each with one JSON line:
 

@@ -1,6 +1,6 @@
 """A stand-in daemon: receives fds on a Unix socket (blocking API), maps them, writes a marker.
 
-    python tests/helpers/shm_daemon.py CHANNEL_PATH
+    python tests/procs/shm_daemon.py CHANNEL_PATH
 
 Prints "ready" once listening. Accepts one connection, receives one fd message, reads one JSON
 line from stdin (the handles), maps them, writes 42 into byte 0 of every buffer, prints

@@ -1,6 +1,6 @@
 """A stand-in engine worker: allocates shared KV tensors and sends their fds to a daemon.
 
-    python tests/helpers/shm_worker.py CHANNEL_PATH
+    python tests/procs/shm_worker.py CHANNEL_PATH
 
 Prints one JSON line {"pid", "token", "strategy", "handles"} once the fds are sent, then serves
 line commands on stdin:

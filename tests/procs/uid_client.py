@@ -1,6 +1,6 @@
 """A client that drops to another uid before it touches the daemon (tests of the uid checks).
 
-Run as root: ``python -m tests.helpers.uid_client <uid> <control endpoint> <fd socket>``. It
+Run as root: ``python -m tests.procs.uid_client <uid> <control endpoint> <fd socket>``. It
 imports everything first (the venv may not be readable by that uid), drops to ``uid`` (and its
 gid), then tries the fd channel and a ZMQ hello, and prints one JSON line with what happened.
 """

@@ -1,7 +1,7 @@
 """Run vLLM's amx attention kernel once, in a fresh process, and check what it computes.
 
-Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH`` (tests/test_vllm.py), as
-``python -m tests.helpers.vllm_amx_attention ask|no-ask``. With ``ask`` the process first calls
+Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH`` (tests/vllm/test_engines.py), as
+``python -m tests.procs.vllm_amx_attention ask|no-ask``. With ``ask`` the process first calls
 the connector's `_request_amx` (Linux's permission to use AMX tiles); with ``no-ask`` nothing in it
 has asked. Then K and V of 130 tokens go into a bfloat16 cache of 64-token blocks through
 ``cpu_attn_reshape_and_cache`` (isa ``amx``), and one query token attends to them through

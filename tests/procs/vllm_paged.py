@@ -1,7 +1,7 @@
 """vLLM's GPU cache views, built on the CPU with vLLM's own functions, through the connector.
 
-Run inside a vLLM venv by tests/test_vllm_paged_layout.py, with a daemon it started:
-``python -m tests.helpers.vllm_paged <endpoint> <cases.json> <out.npz>``.
+Run inside a vLLM venv by tests/vllm/test_paged_layout.py, with a daemon it started:
+``python -m tests.procs.vllm_paged <endpoint> <cases.json> <out.npz>``.
 
 Each engine's cache is what vLLM's ``allocate_kv_cache`` makes on a GPU: one int8 buffer, one
 ``[B, H, N, C]`` view per layer from ``create_kv_cache_views`` under a ``KVCacheLayout``

@@ -51,7 +51,7 @@ VERSIONS = [
 
 def _helper(venv: Path, *args: str, timeout: float = 300) -> Any:
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "tests.helpers.vllm_configs", *args],
+        [str(venv / "bin" / "python"), "-m", "tests.procs.vllm_configs", *args],
         cwd=ROOT,
         env=python_env(),
         capture_output=True,

@@ -2,8 +2,8 @@
 fix, a daemon move.
 
 The layouts (checked against vLLM 0.32's own ``cpu_attn_reshape_and_cache`` kernel by the
-connector at start-up, and in tests/test_vllm.py): a layer is ``(B, H, N, 2C)``; per block and
-head the first ``N*C`` elements hold K, the next ``N*C`` V: for ``vllm_cpu`` (the ``vec``
+connector at start-up, and in tests/vllm/test_engines.py): a layer is ``(B, H, N, 2C)``; per
+block and head the first ``N*C`` elements hold K, the next ``N*C`` V: for ``vllm_cpu`` (the ``vec``
 kernels) K transposed ``(C, N)`` and V ``(N, C)``, for ``vllm_cpu_amx`` (the ``amx`` kernels)
 tiles of 16 tokens (K) or 16 channels (V), see tests/support/vllm_layout.py. The expectations
 here are written token by token from those definitions, not from the code under test.

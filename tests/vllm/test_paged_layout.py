@@ -1,6 +1,6 @@
 """vLLM's GPU cache views (vLLM 0.31+: one buffer, a ``[B, H, N, C]`` view per layer), on the CPU.
 
-tests/helpers/vllm_paged.py builds each engine's cache with vLLM's own ``create_kv_cache_views``
+tests/procs/vllm_paged.py builds each engine's cache with vLLM's own ``create_kv_cache_views``
 under each ``KVCacheLayout`` the connector takes (``LBNHC``, ``LBHNC``; MLA's latent too; kernel
 blocks smaller than the scheduler's), registers it through the connector's path on a real
 daemon, and moves a request's blocks by `WorkerSide`'s stores and loads and its pulls between
@@ -132,7 +132,7 @@ def test_vllm_gpu_views_move_element_by_element_and_what_cannot_is_refused(
             [
                 str(venv / "bin" / "python"),
                 "-m",
-                "tests.helpers.vllm_paged",
+                "tests.procs.vllm_paged",
                 daemon.config.endpoint,
                 str(tmp_path / "cases.json"),
                 str(out),

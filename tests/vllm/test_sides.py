@@ -1,7 +1,7 @@
 """The connector's two halves without vLLM: settings, keys, and the worker half on a real daemon.
 
 `kvsidecar.integrations.vllm.worker.WorkerSide` and `scheduler.SchedulerSide` take plain values,
-so their contracts with vLLM (tests/test_vllm.py runs them inside real engines) can also be
+so their contracts with vLLM (tests/vllm/test_engines.py runs them inside real engines) can also be
 driven step by step here: what a load that the daemon cannot finish turns into, what a dead
 daemon does to every kind of step, what one that answers late does to the scheduler, and how
 the scheduler plans stores and refuses pulls it could only get wrong.
@@ -998,7 +998,7 @@ def _can_mount() -> bool:
 def test_a_cache_larger_than_dev_shm_is_refused_before_anything_moves() -> None:
     """Docker's default /dev/shm is 64 MiB: a cache that does not fit is refused with the sizes
     and what to do, before any page moves (torch would fail half-way, or the daemon map it)."""
-    out = _in_small_shm("8m", sys.executable, "-m", "tests.helpers.small_shm", "16")
+    out = _in_small_shm("8m", sys.executable, "-m", "tests.procs.small_shm", "16")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["shared"] is False
@@ -1007,5 +1007,5 @@ def test_a_cache_larger_than_dev_shm_is_refused_before_anything_moves() -> None:
         "fit in /dev/shm (8.0 MiB, 8.0 MiB free)"
     ), result
     assert "--shm-size" in result["error"]
-    fits = _in_small_shm("32m", sys.executable, "-m", "tests.helpers.small_shm", "16")
+    fits = _in_small_shm("32m", sys.executable, "-m", "tests.procs.small_shm", "16")
     assert json.loads(fits.stdout.strip().splitlines()[-1]) == {"error": "", "shared": True}
