@@ -26,7 +26,7 @@ from kvsidecar.daemon.cache_index import CacheIndex
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.cache import CacheHits, CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents
 from kvsidecar.wire.protocol import Error, Reply, Request
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_process, make_config
 from tests.support.prometheus import scrape
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,9 +124,8 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    with daemon_process(make_config(host_pool_bytes=8 << 20, cache_bytes=1 << 20)) as d:
-        yield d
+def daemon(module_daemon_factory: StartDaemon) -> DaemonProcess:
+    return module_daemon_factory(host_pool_bytes=8 << 20, cache_bytes=1 << 20)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from kvsidecar.client import AsyncSidecarClient, BufferSetRef, SidecarClient, Wo
 from kvsidecar.memory import allocate_kv_caches
 from tests.procs.kv_worker import expected_layer
 from tests.support.children import WorkerProcess, workers
+from tests.support.clients import Client
 from tests.support.daemons import daemon_process, make_config, run_daemon
 from tests.support.procfs import memfd_mappings, shm_entries
 
@@ -90,65 +91,73 @@ def cluster() -> Iterator[Cluster]:
             yield Cluster(endpoint, d.proc.pid, procs, specs)
 
 
-def test_offload_onboard_roundtrip(cluster: Cluster, tmp_path: Path) -> None:
-    with SidecarClient(cluster.endpoint) as c:
-        ids = c.host_alloc("eng", 5)
-        assert len(set(ids.tolist())) == 5
-        src, dst = [3, 4, 5, 10, 0], [20, 21, 22, 30, 31]
-        for rank in (0, 1):
-            moved = c.offload(WorkerRef("eng", rank), src, ids)
-            assert moved.blocks == 5 and not moved.fixed
-            c.onboard(WorkerRef("eng", rank), ids[::-1], dst[::-1])
-            for layer in cluster.expected[("eng", rank)]:
-                layer[:, dst] = layer[:, src]
-        cluster.check(tmp_path, ("eng", 0), ("eng", 1))
-        assert c.status().moves_failed_total == 0
-        c.host_free("eng", ids)
+@pytest.fixture
+def endpoint(cluster: Cluster) -> str:
+    """The cluster's daemon, for the `client` fixture (each kind of client in turn)."""
+    return cluster.endpoint
 
 
-def test_engine_to_engine_hnd_to_nhd_same_block_size(cluster: Cluster, tmp_path: Path) -> None:
+def test_offload_onboard_roundtrip(cluster: Cluster, client: Client, tmp_path: Path) -> None:
+    ids = client.host_alloc("eng", 5)
+    assert len(set(ids.tolist())) == 5
+    src, dst = [3, 4, 5, 10, 0], [20, 21, 22, 30, 31]
+    for rank in (0, 1):
+        moved = client.offload(WorkerRef("eng", rank), src, ids)
+        assert moved.blocks == 5 and not moved.fixed
+        client.onboard(WorkerRef("eng", rank), ids[::-1], dst[::-1])
+        for layer in cluster.expected[("eng", rank)]:
+            layer[:, dst] = layer[:, src]
+    cluster.check(tmp_path, ("eng", 0), ("eng", 1))
+    assert client.status().moves_failed_total == 0
+    client.host_free("eng", ids)
+
+
+def test_engine_to_engine_hnd_to_nhd_same_block_size(
+    cluster: Cluster, client: Client, tmp_path: Path
+) -> None:
     """Prefill (HND) -> prefill-shaped blocks of another engine: here decode has 8-token
     blocks, so the same-size case goes prefill -> eng (NHD, 4 tokens) on layers 0 and 1."""
-    with SidecarClient(cluster.endpoint) as c:
-        src, dst = [7, 1, 39], [25, 26, 27]
-        moved = c.move(
-            BufferSetRef(WorkerRef("prefill")),
-            BufferSetRef(WorkerRef("eng", 7)),
-            src,
-            dst,
-            layers=["layer0", "layer1"],
-        )
-        assert moved.fixed and moved.blocks == 3
-        for exp_d, exp_p in zip(
-            cluster.expected[("eng", 7)], cluster.expected[("prefill", 0)][:2], strict=True
-        ):
-            exp_d[:, dst] = exp_p[:, src]
-        cluster.check(tmp_path, ("eng", 7), ("prefill", 0))
+    src, dst = [7, 1, 39], [25, 26, 27]
+    moved = client.move(
+        BufferSetRef(WorkerRef("prefill")),
+        BufferSetRef(WorkerRef("eng", 7)),
+        src,
+        dst,
+        layers=["layer0", "layer1"],
+    )
+    assert moved.fixed and moved.blocks == 3
+    for exp_d, exp_p in zip(
+        cluster.expected[("eng", 7)], cluster.expected[("prefill", 0)][:2], strict=True
+    ):
+        exp_d[:, dst] = exp_p[:, src]
+    cluster.check(tmp_path, ("eng", 7), ("prefill", 0))
 
 
-def test_engine_to_engine_hnd_to_nhd_block_ratio_2(cluster: Cluster, tmp_path: Path) -> None:
+def test_engine_to_engine_hnd_to_nhd_block_ratio_2(
+    cluster: Cluster, client: Client, tmp_path: Path
+) -> None:
     """Prefill (HND, 4 tokens) -> decode (NHD, 8 tokens): decode block j = 2 prefill blocks."""
-    with SidecarClient(cluster.endpoint) as c:
-        src, dst = [12, 13, 2, 30, 5, 6], [4, 0, 17]
-        moved = c.move(
-            BufferSetRef(WorkerRef("prefill")), BufferSetRef(WorkerRef("decode")), src, dst
-        )
-        assert moved.fixed and moved.blocks == 3
-        for exp_d, exp_p in zip(
-            cluster.expected[("decode", 0)], cluster.expected[("prefill", 0)], strict=True
-        ):
-            for j, block in enumerate(dst):
-                # tokens in order: the first source block holds tokens 0..3 of the destination
-                exp_d[:, block] = np.concatenate(
-                    [exp_p[:, src[2 * j]], exp_p[:, src[2 * j + 1]]], axis=1
-                )
-        cluster.check(tmp_path, ("decode", 0))
+    src, dst = [12, 13, 2, 30, 5, 6], [4, 0, 17]
+    moved = client.move(
+        BufferSetRef(WorkerRef("prefill")), BufferSetRef(WorkerRef("decode")), src, dst
+    )
+    assert moved.fixed and moved.blocks == 3
+    for exp_d, exp_p in zip(
+        cluster.expected[("decode", 0)], cluster.expected[("prefill", 0)], strict=True
+    ):
+        for j, block in enumerate(dst):
+            # tokens in order: the first source block holds tokens 0..3 of the destination
+            exp_d[:, block] = np.concatenate(
+                [exp_p[:, src[2 * j]], exp_p[:, src[2 * j + 1]]], axis=1
+            )
+    cluster.check(tmp_path, ("decode", 0))
 
 
-def test_fix_layout_in_place(cluster: Cluster, tmp_path: Path) -> None:
+def test_fix_layout_in_place(cluster: Cluster, client: Client, tmp_path: Path) -> None:
     """Blocks of an HND worker that hold NHD-ordered bytes read right after fix_layout."""
-    with SidecarClient(cluster.endpoint) as c:
-        c.fix_layout(WorkerRef("prefill"), [20, 21], remote_memory_order="NHD", remote_block_size=4)
+    client.fix_layout(
+        WorkerRef("prefill"), [20, 21], remote_memory_order="NHD", remote_block_size=4
+    )
     exp = cluster.expected[("prefill", 0)]
     for layer in exp:
         # The HND bytes of blocks 20, 21, re-read as if an NHD sender had written them.

@@ -24,7 +24,11 @@ from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.peer.nixl_plane import nixl_available
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Error, Move, Moved, Register
 from kvsidecar.wire.types import BufferDescriptor, LayerSpec, ShmRef
-from tests.support.daemons import DaemonProcess, daemon_process, make_config, peer_daemon
+from tests.support.daemons import (
+    DaemonProcess,
+    StartDaemon,
+    peer_daemon,
+)
 from tests.support.raw import Raw, ids, sealed_memfd, send_fds_raw
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,9 +41,8 @@ _counter = iter(range(10_000))
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    with daemon_process(make_config(peer_lease_s=30.0)) as d:
-        yield d
+def daemon(module_daemon_factory: StartDaemon) -> DaemonProcess:
+    return module_daemon_factory(peer_lease_s=30.0)
 
 
 def _memory_shape(arrangement: str, tokens: int, order: str, heads: int) -> list[int]:

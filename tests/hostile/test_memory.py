@@ -22,7 +22,7 @@ import pytest
 
 from kvsidecar.wire.protocol import Error, Move, Moved, Registered, Status, StatusReply
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, StartDaemon
 from tests.support.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,10 +85,9 @@ NOT_MEMORY: dict[str, Callable[[], int]] = {
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
+def daemon(daemon_factory: StartDaemon) -> DaemonProcess:
     # One per test: on unfixed code the first truncation kills it (SIGBUS, exit -7).
-    with daemon_process(make_config(host_pool_bytes=8 << 20)) as d:
-        yield d
+    return daemon_factory(host_pool_bytes=8 << 20)
 
 
 def _alive(d: DaemonProcess) -> None:

@@ -13,7 +13,6 @@ import os
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -29,7 +28,7 @@ from kvsidecar.wire.protocol import (
     StatusReply,
 )
 from kvsidecar.wire.types import LayerSpec, ShmRef, WorkerRef
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_process, make_config
 from tests.support.procfs import rss_mib
 from tests.support.raw import Raw, kv_descriptor, register_fd, sealed_memfd, send_fds_raw
 
@@ -37,9 +36,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
-    with daemon_process(make_config(host_pool_bytes=16 << 20, lease_s=60.0)) as d:
-        yield d
+def daemon(daemon_factory: StartDaemon) -> DaemonProcess:
+    return daemon_factory(host_pool_bytes=16 << 20, lease_s=60.0)
 
 
 def _serving(d: DaemonProcess) -> float:

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,16 +20,15 @@ import torch
 from kvsidecar.client import SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
 from tests.support import ROOT
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_process, make_config
 from tests.support.vllm_layout import packed_cache, packed_cache_from_block
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    with daemon_process(make_config(host_pool_bytes=8 << 20, peer_lease_s=30.0)) as d:
-        yield d
+def daemon(module_daemon_factory: StartDaemon) -> DaemonProcess:
+    return module_daemon_factory(host_pool_bytes=8 << 20, peer_lease_s=30.0)
 
 
 def engine(endpoint: str, name: str, shape: tuple[int, ...], arrangement: str) -> SidecarClient:

@@ -6,6 +6,7 @@ Tests import helpers from here (child processes live in `tests.procs`, started t
 - `tests.support.ports`: TCP ports for daemons and Prometheus (reserved, with a clash check).
 - `tests.support.daemons`: configs, a daemon in this event loop (`run_daemon`) or as a process
   (`daemon_process`), both retried with fresh ports when a port was taken in between.
+- `tests.support.clients`: the asyncio client behind the blocking client's interface.
 - `tests.support.children`: ``tests.procs`` worker processes driven by lines on stdin/stdout.
 - `tests.support.procfs`: what ``/proc`` and ``/dev/shm`` say (RSS, mappings, fds, segments).
 - `tests.support.prometheus`: a real Prometheus server scraping test targets.

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ from kvsidecar.integrations.vllm.scheduler import SchedulerSide
 from kvsidecar.integrations.vllm.settings import ConnectorSettings, SettingsError
 from kvsidecar.integrations.vllm.worker import WorkerSide
 from tests.support import ROOT, python_env
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, StartDaemon
 from tests.support.prometheus import scrape
 
 pytestmark = pytest.mark.timeout(120)
@@ -234,9 +234,8 @@ def ask(side: SchedulerSide, req: Req, computed: int = 0, within_s: float = 5.0)
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
-    with daemon_process(make_config(host_pool_bytes=8 << 20, cache_bytes=4 << 20)) as d:
-        yield d
+def daemon(daemon_factory: StartDaemon) -> DaemonProcess:
+    return daemon_factory(host_pool_bytes=8 << 20, cache_bytes=4 << 20)
 
 
 def worker(
