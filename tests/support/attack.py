@@ -1,6 +1,6 @@
 """Outside-in attackers: the attacker process and raw probes of the daemon's HTTP endpoint.
 
-`Attacker` drives a ``tests.helpers.attacker`` process (raw sockets, never the project's
+`Attacker` drives a ``tests.procs.attacker`` process (raw sockets, never the project's
 client); `http_status` and `defence_events` read the metrics endpoint over a raw TCP socket, as
 a kubelet probe or a hostile client would.
 """
@@ -20,7 +20,7 @@ PROBE_S = 3.0
 
 
 class Attacker(LineChild):
-    """A `tests.helpers.attacker` process; `finish` stops it and returns its counts."""
+    """A `tests.procs.attacker` process; `finish` stops it and returns its counts."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         super().__init__("attacker", json.dumps(spec), name=f"attacker {spec['attack']}")

@@ -1,6 +1,6 @@
-"""Worker processes for tests: ``python -m tests.helpers.<module>`` children driven by lines.
+"""Worker processes for tests: ``python -m tests.procs.<module>`` children driven by lines.
 
-The one place that starts such helpers and stops them. A child's output is read by a thread into
+The one place that starts such children and stops them. A child's output is read by a thread into
 a queue (`LineReader`), so every wait for a line has a deadline and no line is missed; at the end
 a child is asked to exit (its exit line, then end of input), killed if it does not in time, and
 its pipes are closed.
@@ -82,7 +82,7 @@ class LineReader:
 
 
 class LineChild:
-    """A ``tests.helpers.<module>`` child process, driven by text lines on stdin and stdout."""
+    """A ``tests.procs.<module>`` child process, driven by text lines on stdin and stdout."""
 
     ready_line = "ready"
     """What the child prints once it is ready (see `wait_ready`)."""
@@ -104,7 +104,7 @@ class LineChild:
         self.exit_line = exit_line
         self._group = python is not None
         self.proc = subprocess.Popen(
-            [str(python or sys.executable), "-m", f"tests.helpers.{module}", *args],
+            [str(python or sys.executable), "-m", f"tests.procs.{module}", *args],
             cwd=ROOT,
             env=python_env(**(env or {})),
             stdin=subprocess.PIPE,
@@ -207,7 +207,7 @@ def all_ready(children: Sequence[C], timeout: float = 120.0) -> Iterator[list[C]
 
 
 class WorkerProcess(LineChild):
-    """A ``tests.helpers.kv_worker`` child: registers KV caches, dumps them on request."""
+    """A ``tests.procs.kv_worker`` child: registers KV caches, dumps them on request."""
 
     def __init__(self, spec: dict[str, Any], module: str = "kv_worker") -> None:
         super().__init__(module, json.dumps(spec), name=f"worker {spec.get('engine', module)}")
@@ -229,7 +229,7 @@ def workers(specs: list[dict[str, Any]]) -> contextlib.AbstractContextManager[li
 
 
 class PeerWorkers(WorkerProcess):
-    """A ``tests.helpers.peer_worker`` process (several engines and ranks in one process)."""
+    """A ``tests.procs.peer_worker`` process (several engines and ranks in one process)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         super().__init__(spec, module="peer_worker")
@@ -252,7 +252,7 @@ def peer_workers(spec: dict[str, Any]) -> Iterator[PeerWorkers]:
 
 
 class ReportWorker(LineChild):
-    """A ``tests.helpers.report_worker`` child that answers one JSON line per command."""
+    """A ``tests.procs.report_worker`` child that answers one JSON line per command."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         super().__init__(
@@ -274,7 +274,7 @@ class ReportWorker(LineChild):
 
 
 class FaultWorker(LineChild):
-    """A ``tests.helpers.fault_worker`` child: it moves blocks until told to exit, and prints one
+    """A ``tests.procs.fault_worker`` child: it moves blocks until told to exit, and prints one
     JSON line per outcome, which `lines` collects."""
 
     def __init__(self, spec: dict[str, Any]) -> None:

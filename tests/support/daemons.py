@@ -1,4 +1,5 @@
-"""Daemons for tests: in this event loop (`run_daemon`) or as a process (`daemon_process`).
+"""Daemons for tests: in this event loop (`run_daemon`) or as processes (`daemon_process`, and
+`daemon_processes` behind the ``daemon_factory`` fixtures of tests/conftest.py).
 
 Both always stop the daemon and remove its runtime dir. Both take a `Config`, or a function that
 makes one (`ConfigSource`): a function is called again, for fresh ports, when the daemon could not
@@ -216,6 +217,21 @@ def daemon_process(
     finally:
         daemon.stop()
         shutil.rmtree(daemon.config.runtime_dir, ignore_errors=True)
+
+
+StartDaemon = Callable[..., DaemonProcess]
+"""``start(**overrides)``: a ready daemon process of `make_config` with ``overrides``."""
+
+
+@contextlib.contextmanager
+def daemon_processes() -> Iterator[StartDaemon]:
+    """Start daemon processes on demand (fresh ports on each try); all are stopped on exit."""
+    with contextlib.ExitStack() as stack:
+
+        def start(**overrides: Any) -> DaemonProcess:
+            return stack.enter_context(daemon_process(lambda: make_config(**overrides)))
+
+        yield start
 
 
 def _start_process(config: Config, env: dict[str, str] | None = None) -> DaemonProcess:

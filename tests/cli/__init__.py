@@ -1,0 +1,1 @@
+"""The ``kvsidecar`` command as a subprocess: its subcommands, ``bench`` among them."""

@@ -1,0 +1,1 @@
+"""The engine's side: the clients' transports, and the README's example run as written."""

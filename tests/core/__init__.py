@@ -1,0 +1,1 @@
+"""kvsidecar.core's pure semantics (layout, fixes, mover, topology, aggregator) by models."""

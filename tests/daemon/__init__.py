@@ -1,0 +1,1 @@
+"""One daemon serving real clients: moves, the prefix cache, completions, metrics, faults, load."""

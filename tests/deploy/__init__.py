@@ -1,0 +1,1 @@
+"""The shipped deployment: its artefacts checked by operators' tools, and started as shipped."""

@@ -1,1 +1,0 @@
-"""Subprocess entry points for tests that need a second, unrelated process."""

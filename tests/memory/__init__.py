@@ -1,0 +1,1 @@
+"""Buffer handles by kind: shared memory and the fd channel, the host pool, CUDA IPC and VMM."""

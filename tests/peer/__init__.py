@@ -1,0 +1,1 @@
+"""Pulls between engines and between daemons: plans, the ZMQ and NIXL planes, the producer."""

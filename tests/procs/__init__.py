@@ -1,0 +1,1 @@
+"""Child processes of the tests: each module is run as ``python -m tests.procs.<name>``."""

@@ -1,0 +1,368 @@
+"""A hostile local process: attacks a daemon from outside the project's client, with raw sockets.
+
+Run as ``python -m tests.procs.attacker '<json spec>'`` (`tests.support.attack.Attacker`). It sets
+up, prints ``ready``, attacks until stdin says ``exit`` (or closes) or ``seconds`` pass, then prints
+one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
+
+- ``control_flood``: ``sockets`` DEALERs send ``kind`` requests (``status``, ``garbage``,
+  ``move``, ``oversize`` or ``mix``) as fast as they can and never read a reply.
+- ``many_connections``: ``count`` DEALER sockets, one connection each, send a status each and
+  hold their connections open.
+- ``slow_reader``: one DEALER sends ``status``/``collect`` requests at ``rate`` per second and
+  never reads (a tiny receive queue).
+- ``peer_flood``: a DEALER on the peer endpoint sends ``kind`` (``hello``, ``notify`` with fresh
+  request ids, ``garbage`` or ``mix``) as fast as it can and never reads.
+- ``fd_hoard``: opens up to ``connections`` fd-channel connections, sends ``messages`` messages
+  of ``fds`` fds each on every one (never claimed), leaves ``half_open`` more with a partial
+  header, then keeps connecting for ``reconnect_s`` seconds (``accept`` is exercised too).
+- ``http_idle``: opens TCP connections to the metrics port at ``rate`` per second and sends
+  nothing (``slowloris``: a request head one byte every half second).
+- ``shrinker``: registers an unsealed memfd as a KV cache (raw fd channel message, raw
+  ``Register``), shrinks the file to 0 bytes, and asks for moves out of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvsidecar.peer.messages import PEER_PROTOCOL_VERSION, Notify, PeerHello
+from kvsidecar.wire.protocol import PROTOCOL_VERSION, Collect, Heartbeat, Move, Register, Status
+from kvsidecar.wire.types import BufferDescriptor, BufferSetRef, LayerSpec, ShmRef, WorkerRef
+
+ENC = msgspec.msgpack.Encoder()
+FD_HEADER = struct.Struct("!4sBB")
+"""The fd channel's framing, written here by hand: b"KVFD", token length, fd count, token."""
+
+
+def send_fds(sock: socket.socket, token: bytes, fds: list[int]) -> None:
+    """One fd-channel message, as a worker would send it (the fds ride with its first byte)."""
+    frame = FD_HEADER.pack(b"KVFD", len(token), len(fds)) + token
+    sent = socket.send_fds(sock, [frame], fds)
+    sock.sendall(frame[sent:])
+
+
+_STOP = threading.Event()
+"""Set once stdin says ``exit`` or closes (read on a thread: a select on the pipe's fd would
+not see a line already in Python's buffer)."""
+
+
+def _watch_stdin() -> None:
+    for line in sys.stdin:
+        if line.strip() == "exit":
+            break
+    _STOP.set()
+
+
+threading.Thread(target=_watch_stdin, daemon=True).start()
+
+
+def _stop_requested() -> bool:
+    return _STOP.is_set()
+
+
+def _dealer(ctx: zmq.Context[Any], endpoint: str, *, sndhwm: int = 1000) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(endpoint)
+    return sock
+
+
+def _control_message(kind: str, i: int) -> list[bytes]:
+    if kind == "mix":
+        kind = "oversize" if i % 64 == 63 else ("status", "garbage", "move")[i % 3]
+    if kind == "status":
+        return [ENC.encode(Status(id=i + 1))]
+    if kind == "garbage":
+        return [b"\xc1\xff" + i.to_bytes(8, "little"), b"x" * (i % 64)]
+    if kind == "oversize":
+        return [b"\x80" * ((1 << 20) + 1)]  # over max_header_bytes (1 MiB): too_large
+    ref = BufferSetRef(WorkerRef("victim"), "device")
+    ids = np.arange(4, dtype=np.int64).tobytes()
+    return [ENC.encode(Move(id=i + 1, src=ref, dst=ref)), ids, ids]
+
+
+def control_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    socks = [_dealer(ctx, spec["endpoint"]) for _ in range(spec.get("sockets", 1))]
+    kind = spec.get("kind", "status")
+    print("ready", flush=True)
+    sent, full, i = 0, 0, 0
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline:
+        if i % 512 == 0 and _stop_requested():
+            break
+        sock = socks[i % len(socks)]
+        try:
+            sock.send_multipart(_control_message(kind, i), flags=zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            full += 1
+            time.sleep(0.0002)
+        i += 1
+    return {"sent": sent, "queue_full": full}
+
+
+def many_connections(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    ctx.set(zmq.MAX_SOCKETS, spec["count"] + 16)
+    socks = []
+    for i in range(spec["count"]):  # one connection per socket (a second connect is a no-op)
+        sock = _dealer(ctx, spec["endpoint"])
+        sock.send(ENC.encode(Status(id=i + 1)), zmq.NOBLOCK)  # queued until connected
+        socks.append(sock)
+    time.sleep(1.0)
+    print("ready", flush=True)
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline and not _stop_requested():
+        time.sleep(0.05)
+    answered = sum(1 for s in socks if s.poll(0))
+    return {"sockets": len(socks), "answered": answered}
+
+
+def slow_reader(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    sock = _dealer(ctx, spec["endpoint"])
+    print("ready", flush=True)
+    sent, rate = 0, spec.get("rate", 200.0)
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline and not _stop_requested():
+        req = Status(id=sent + 1) if sent % 2 else Collect(id=sent + 1, engine_id="x", step=0)
+        try:
+            sock.send(ENC.encode(req), zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            pass
+        time.sleep(1.0 / rate)
+    return {"sent": sent}
+
+
+def _peer_message(kind: str, i: int, engine: str) -> bytes:
+    if kind == "mix":
+        kind = ("hello", "notify", "garbage")[i % 3]
+    if kind == "hello":
+        return ENC.encode(PeerHello(id=i, protocol_version=PEER_PROTOCOL_VERSION, daemon_id="x"))
+    if kind == "notify":
+        return ENC.encode(
+            Notify(
+                id=i,
+                engine_id=engine,
+                request_id=f"forged-{i}",
+                tp_rank=0,
+                pp_rank=0,
+                reader=f"reader-{i}",
+                expected_readers=2,
+            )
+        )
+    return b"\xc1" * (16 + i % 64)
+
+
+def peer_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    sock = _dealer(ctx, spec["endpoint"])
+    kind, engine = spec.get("kind", "mix"), spec.get("engine", "e")
+    print("ready", flush=True)
+    sent, i = 0, 0
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline:
+        if i % 512 == 0 and _stop_requested():
+            break
+        try:
+            sock.send(_peer_message(kind, i, engine), zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            time.sleep(0.0002)
+        i += 1
+    return {"sent": sent}
+
+
+def _connect_unix(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(0.2)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the other end closed (after whatever it sent last, e.g. a 408)."""
+    try:
+        while sock.recv(65536, socket.MSG_DONTWAIT):
+            pass
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def fd_hoard(spec: dict[str, Any], _ctx: zmq.Context[Any]) -> dict[str, Any]:
+    memfd = os.memfd_create("hoard")
+    os.ftruncate(memfd, 4096)
+    fds = [memfd] * spec.get("fds", 200)
+    conns: list[socket.socket] = []
+    sent = failed = 0
+    for _ in range(spec.get("connections", 1)):
+        sock = _connect_unix(spec["path"])
+        if sock is None:
+            failed += 1
+            continue
+        conns.append(sock)
+        for _ in range(spec.get("messages", 1)):
+            try:
+                send_fds(sock, os.urandom(16), fds)
+                sent += 1
+            except OSError:
+                break
+    for _ in range(spec.get("half_open", 0)):
+        sock = _connect_unix(spec["path"])
+        if sock is not None:
+            sock.sendall(FD_HEADER.pack(b"KVFD", 16, 1)[:3])  # a header that never completes
+            conns.append(sock)
+    time.sleep(0.5)
+    print("ready", flush=True)
+    attempts = 0
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    reconnect_until = time.monotonic() + spec.get("reconnect_s", 0.0)
+    while time.monotonic() < deadline and not _stop_requested():
+        if time.monotonic() < reconnect_until:
+            extra = _connect_unix(spec["path"])
+            attempts += 1
+            if extra is not None:
+                conns.append(extra)
+        time.sleep(0.01)
+    kept = sum(1 for s in conns if not _hung_up(s))
+    return {
+        "connections": len(conns),
+        "kept": kept,
+        "sent": sent,
+        "failed": failed,
+        "attempts": attempts,
+    }
+
+
+def http_idle(spec: dict[str, Any], _ctx: zmq.Context[Any]) -> dict[str, Any]:
+    conns: list[socket.socket] = []
+    opened = closed_by_server = 0
+    slow = spec.get("slowloris", False)
+    print("ready", flush=True)
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    next_open, next_byte = time.monotonic(), time.monotonic()
+    while time.monotonic() < deadline and not _stop_requested():
+        now = time.monotonic()
+        if now >= next_open and len(conns) < 4000:
+            next_open += 1.0 / spec.get("rate", 25.0)
+            try:
+                sock = socket.create_connection(("127.0.0.1", spec["port"]), timeout=1)
+                if slow:  # a request head that grows by a byte every half second, never ending
+                    sock.send(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+                conns.append(sock)
+                opened += 1
+            except OSError:
+                pass
+        if slow and now >= next_byte:
+            next_byte = now + 0.5
+            for sock in conns:
+                with contextlib.suppress(OSError):
+                    sock.send(b"a", socket.MSG_DONTWAIT)
+        time.sleep(0.005)
+    for sock in conns:
+        closed_by_server += _hung_up(sock)
+        sock.close()
+    return {"opened": opened, "closed_by_server": closed_by_server}
+
+
+def _raw_register(sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes) -> Any:
+    blocks = nbytes // 4096
+    desc = BufferDescriptor("kv_first", "NHD", "float16", blocks, 16, 8, 8)  # 2 x 2 KiB a block
+    handle = ShmRef(fd_index=0, storage_nbytes=nbytes, offset=0, nbytes=nbytes)
+    reg = Register(
+        id=1,
+        protocol_version=PROTOCOL_VERSION,
+        worker=WorkerRef(engine),
+        layers=[LayerSpec("l0", desc, handle)],
+        host_blocks=blocks,
+        fd_token=token,
+    )
+    sock.send(ENC.encode(reg))
+    if not sock.poll(10_000):
+        return "no reply"
+    return msgspec.msgpack.decode(sock.recv())
+
+
+def shrinker(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    nbytes = 64 * 4096
+    memfd = os.memfd_create("shrinker")  # no seals: the file can be shrunk under a mapping
+    os.ftruncate(memfd, nbytes)
+    with mmap.mmap(memfd, nbytes) as mem:
+        mem[:] = b"\x01" * nbytes
+    fd_sock = _connect_unix(spec["fd_socket"])
+    assert fd_sock is not None
+    token = os.urandom(16)
+    send_fds(fd_sock, token, [memfd])
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec["endpoint"])
+    registered = _raw_register(sock, spec.get("engine", "shrinker"), nbytes, token)
+    os.ftruncate(memfd, 0)  # pull the memory away under the daemon's mapping
+    print("ready", flush=True)
+    worker = WorkerRef(spec.get("engine", "shrinker"))
+    ids = np.arange(16, dtype=np.int64).tobytes()
+    replies: dict[str, int] = {}
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    i = 0
+    while time.monotonic() < deadline and not _stop_requested():
+        i += 1
+        move = Move(id=i, src=BufferSetRef(worker, "device"), dst=BufferSetRef(worker, "host"))
+        if i % 10 == 0:  # keep the lease: the attack lasts as long as the test wants
+            sock.send(ENC.encode(Heartbeat(id=i, workers=[worker])))
+        else:
+            sock.send_multipart([ENC.encode(move), ids, ids])
+        if sock.poll(5000):
+            reply = msgspec.msgpack.decode(sock.recv())
+            key = reply.get("code") or reply.get("type", "?")
+            replies[key] = replies.get(key, 0) + 1
+        else:
+            replies["no reply"] = replies.get("no reply", 0) + 1
+        time.sleep(0.05)
+    fd_sock.close()
+    return {"registered": registered, "replies": replies}
+
+
+ATTACKS = {
+    "control_flood": control_flood,
+    "many_connections": many_connections,
+    "slow_reader": slow_reader,
+    "peer_flood": peer_flood,
+    "fd_hoard": fd_hoard,
+    "http_idle": http_idle,
+    "shrinker": shrinker,
+}
+
+
+def main() -> None:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        result = ATTACKS[spec["attack"]](spec, ctx)
+    finally:
+        ctx.destroy(linger=0)
+    print(json.dumps({"result": result}, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

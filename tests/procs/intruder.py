@@ -1,0 +1,89 @@
+"""A hostile local user: a process of another uid that attacks the daemon with raw requests.
+
+Run as root: ``python -m tests.procs.intruder '<json spec>'`` with ``{"uid", "endpoint",
+"fd_socket"}``. It imports everything first, drops to ``uid``, makes its own memory (a sealed
+memfd filled with 0x11, the shape of `tests.support.raw.kv_descriptor`) and then obeys JSON
+command lines on stdin, answering one JSON line each:
+
+- ``{"op": "register", "engine", "tp_rank", "tp_size", "host_blocks"}``: register its memory;
+- ``{"op": "send", "header": hex, "frames": [hex...], "routing_id": hex|null}``: one raw
+  request (on a fresh socket when ``routing_id`` is given), answered with the reply's
+  ``type``, ``code`` and ``message``;
+- ``{"op": "wipe"}``: fill its memory with 0x11 again;
+- ``{"op": "peek", "offset", "nbytes"}``: the bytes of its own memory there (hex), to see
+  whether something of another engine's landed in it;
+- ``exit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from tests.support.raw import Raw, kv_descriptor, register_fd, sealed_memfd
+
+
+def _reply(raw: Raw, header: bytes, frames: list[bytes]) -> dict[str, Any]:
+    rid = msgspec.msgpack.decode(header)["id"]
+    raw.sock.send_multipart([header, *frames])
+    while raw.sock.poll(15_000):
+        reply = msgspec.msgpack.decode(raw.sock.recv_multipart()[0])
+        if reply.get("id") == rid:
+            return {"type": reply["type"], "code": reply.get("code", ""), "reply": reply}
+    return {"type": "no_reply", "code": "", "reply": {}}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.setgroups([])
+    os.setgid(spec["uid"])
+    os.setuid(spec["uid"])
+    _, nbytes = kv_descriptor()
+    memory = sealed_memfd(nbytes, fill=0x11)
+    raw = Raw(spec["endpoint"])
+    channels = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() in ("", "exit"):
+            break
+        cmd = json.loads(line)
+        out: dict[str, Any]
+        if cmd["op"] == "register":
+            reply, conn = register_fd(
+                raw,
+                spec["fd_socket"],
+                cmd["engine"],
+                memory,
+                tp_rank=cmd.get("tp_rank", 0),
+                tp_size=cmd.get("tp_size", 1),
+                host_blocks=cmd.get("host_blocks", 0),
+            )
+            channels.append(conn)  # open for the worker's life: its closing releases it
+            out = {"type": type(reply).__struct_config__.tag, "code": getattr(reply, "code", "")}
+        elif cmd["op"] == "send":
+            frames = [bytes.fromhex(f) for f in cmd.get("frames", [])]
+            header = bytes.fromhex(cmd["header"])
+            if cmd.get("routing_id"):
+                with Raw(spec["endpoint"], routing_id=bytes.fromhex(cmd["routing_id"])) as other:
+                    out = _reply(other, header, frames)
+            else:
+                out = _reply(raw, header, frames)
+        elif cmd["op"] == "wipe":
+            os.pwrite(memory, bytes([0x11]) * nbytes, 0)
+            out = {"type": "ok"}
+        elif cmd["op"] == "peek":
+            out = {"hex": os.pread(memory, cmd["nbytes"], cmd["offset"]).hex()}
+        else:
+            out = {"type": "bad_command"}
+        print(json.dumps(out, default=str), flush=True)
+    for conn in channels:
+        conn.close()
+    raw.close()
+
+
+if __name__ == "__main__":
+    main()
