@@ -143,7 +143,7 @@ class ZapHandler:
         )
         admit = self.admission.get(domain.decode(errors="replace"))
         refusal = "" if admit is None or status != b"200" else admit(address)
-        if refusal:  # reliability: a connection limit
+        if refusal:  # past a connection limit
             status, text, user = b"400", refusal, ""
         if status == b"200":
             self.stats.accepted += 1

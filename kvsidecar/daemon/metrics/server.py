@@ -29,11 +29,6 @@ __all__ = ["HealthProvider", "MetricsServer", "Readiness"]
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------------
-# What the daemon provides
-# --------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Readiness:
     """The facts ``/readyz`` is decided on."""
@@ -69,10 +64,6 @@ class HealthProvider(Protocol):
         """Return the current readiness facts."""
         ...
 
-
-# --------------------------------------------------------------------------------------------------
-# The server
-# --------------------------------------------------------------------------------------------------
 
 _TEXT: Final = "text/plain; charset=utf-8"
 
@@ -154,8 +145,6 @@ class MetricsServer:
         self._stalled_until = 0.0
         self._worst_recent_lag = 0.0
 
-    # ---- lifecycle ---------------------------------------------------------------------------
-
     async def start(self) -> None:
         """Bind the listening socket and start the loop watchdog."""
         if self._server is not None:
@@ -212,8 +201,6 @@ class MetricsServer:
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"http://{host}:{self.port}"
 
-    # ---- health ------------------------------------------------------------------------------
-
     def loop_health(self) -> tuple[bool, str]:
         """Whether the event loop is responsive, with a short explanation."""
         if self._loop is None:
@@ -250,8 +237,6 @@ class MetricsServer:
                     self._on_loop_lag(lag)
                 except Exception:
                     logger.exception("loop-lag callback failed")
-
-    # ---- requests ----------------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
