@@ -51,7 +51,7 @@ class Job:
     verification: integrity.Verification | None = None
     """Set when the move is checksummed end to end; filled by ``run``."""
     inline: bool = False
-    """Short enough to run on the event loop (`CopyExecutor.submit`'s ``inline``)."""
+    """Short enough to run on the event loop (`kvsidecar.daemon.runner.JobRunner.run`)."""
 
 
 fine_small = mover.fine_small

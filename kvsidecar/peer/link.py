@@ -135,8 +135,8 @@ class PeerLink:
         """Send every read (``msg``, its raw frames, where its data lands) and wait for them all.
 
         Each goes to the least busy data stream as it comes, so the first is on its way while
-        the rest are still being made. One wait for all of them, not a task and a timer each:
-        those were most of this loop's time per chunk of a pull.
+        the rest are still being made. One wait for all of them, not a task and a timer each,
+        which would cost this loop more per chunk than the rest of its handling.
 
         Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused` on the first read
         that fails; the others are withdrawn then. When it raises, or is cancelled, no byte of

@@ -58,10 +58,10 @@ def new_agent(name: str, config: Any, *, wakeup_ms: int = WAKEUP_MS) -> Any:
     wake-up that NIXL keeps for fds that ``poll`` can miss. NIXL's Python ``nixl_agent`` sets
     ``pthrDelay`` to 0, so the thread never sleeps: it busy-polls a core for the agent's whole
     life, while a 1 ms wake-up leaves idle agents idle and reads no slower (docs/benchmarks.md,
-    "bench peer"). The Python API has no option
-    for it, so the native constructor is wrapped for this one construction (anything else that
-    uses the module meanwhile reaches the same bindings through the wrapper). ``wakeup_ms`` 0
-    keeps NIXL's busy poll; so does a NIXL whose bindings have no such field (logged).
+    "bench peer"). The Python API has no option for it, so the native constructor is wrapped
+    for this one construction (anything else that uses the module meanwhile reaches the same
+    bindings through the wrapper). ``wakeup_ms`` 0 keeps NIXL's busy poll; so does a NIXL whose
+    bindings have no such field (logged).
     """
     from nixl._api import nixl_agent
 

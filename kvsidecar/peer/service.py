@@ -128,7 +128,7 @@ class PeerService:
         self._sock: zmq.Socket[Any] | None = None
         """The peer endpoint: a plain socket, read from a loop reader callback on its fd and
         written without waiting. The asyncio socket's ``recv_multipart`` and ``send`` cost a
-        future per message or frame: a quarter of the producer's loop time serving pulls."""
+        future per message or frame, which a producer serving pulls would pay on every chunk."""
         self._read_scheduled = False
         """A call of `_on_peer_readable` is queued on the loop (never more than one)."""
         self.packed_budget = ReplyBudget(PACKED_REPLY_BYTES)

@@ -12,7 +12,7 @@ reference to each view until it is sent, so the mapping outlives the send even i
 unregisters meanwhile. A chunk of many small ranges (single blocks: the ids an engine's
 allocator hands out are rarely consecutive) is packed into one frame instead (`packable`,
 `pack`): each frame is a send system call on the producer's side and a receive on the
-consumer's, which for 32 KiB blocks cost more than copying the bytes once more.
+consumer's, which for small blocks costs more than copying the bytes once more.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class ZmqPlane(DataPlane):
             for lo, hi in self._chunks(ranges):
                 rows = ranges[lo:hi]
                 # Plain ints (``tolist``): iterating numpy rows makes a numpy scalar per number,
-                # which for a chunk of 128 single blocks cost more than the rest of its request.
+                # which for a chunk of many single blocks costs more than the rest of its request.
                 dests: list[Dest] = [
                     locals_np[li][off : off + n]
                     for (li, off), n in zip(dest[lo:hi].tolist(), rows[:, 2].tolist(), strict=True)

@@ -59,7 +59,7 @@ def _ladder(low: float, high: float) -> tuple[float, ...]:
 
 
 MOVE_DURATION_BUCKETS: Final[tuple[float, ...]] = _ladder(0.0001, 10.0)
-"""100 us (one small block on a fast path) to 10 s (a large peer pull on a slow link)."""
+"""100 µs (one small block on a fast path) to 10 s (a large peer pull on a slow link)."""
 
 COMMAND_DURATION_BUCKETS: Final[tuple[float, ...]] = (*_ladder(0.000025, 0.25), 1.0)
 """Handling a command is bookkeeping on the loop, far shorter than a move: 25 µs to 1 s."""

@@ -92,8 +92,8 @@ class MetricsServer:
       ``request_timeout_s``).
 
     One request per connection (``Connection: close``): scrapes and probes come seconds apart, and
-    it keeps the server free of keep-alive state. Collection runs on the loop; with the few hundred
-    series the daemon exports it takes well under a millisecond.
+    it keeps the server free of keep-alive state. Collection runs on the loop, which the few
+    hundred series the daemon exports keep short.
 
     At most ``max_connections`` are open at once; a new one beyond that closes the oldest (which
     has waited longest for its request head, or for a slow reader to take its answer). A probe
