@@ -7,7 +7,7 @@ restart, and the heartbeat task.
 
 The socket is a plain pyzmq socket read from an event-loop reader callback, like the daemon's,
 not a ``zmq.asyncio`` socket read by a task: a task's wake-up and the ``zmq.asyncio`` futures
-are a large share of a round trip (docs/benchmarks.md).
+are a large share of a round trip (docs/benchmarks.md, "bench latency").
 """
 
 from __future__ import annotations

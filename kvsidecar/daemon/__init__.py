@@ -1,9 +1,12 @@
 """The server: one daemon per node, its control socket and everything behind it.
 
-- `server`: lifecycle (config -> startup -> serve -> shutdown), the ROUTER edge, dispatch.
-- `logs`: logging set-up; `runtime_dir`: one daemon per private directory.
+- `server`: lifecycle (config -> startup -> serve -> shutdown) and the services it composes;
+  `state`: what those services share.
+- `control`: the control socket (read, check and authorize each request once, send every reply);
+  `dispatch`: the `Router`, which handler answers a checked request, and ``status``.
 - `registration`: hello, register, unregister, heartbeat, grant; leases and worker release.
-- `commands`: moves, layout fixes, host blocks, status; `short_moves`: short moves in one step.
+- `moves`: moves, batches, layout fixes, host blocks; `runner`: a checked job run and answered.
+- `logs`: logging set-up; `runtime_dir`: one daemon per private directory; `gpu`: the CUDA check.
 - `limits`: who may do what (`access`), how much may queue (`admission`), connections.
 - `completions`: per-engine aggregation of workers' reports (``report`` / ``collect``).
 - `cache`: the shared prefix cache and the connectors' completion events.

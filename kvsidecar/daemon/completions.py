@@ -172,8 +172,6 @@ class CompletionService:
         self.duplicate_reports_total = 0
         self.collects_total = 0
 
-    # ------------------------------------------------------------------ workers
-
     def worker_registered(
         self, ref: WorkerRef, expected_finished_count: int, *, epoch: int | None = None
     ) -> int:
@@ -242,8 +240,6 @@ class CompletionService:
         for st in list(self.engines.values()):
             self._drop(st)
 
-    # ------------------------------------------------------------------ daemon-side completions
-
     def move_finished(
         self,
         src: BufferSetRef,
@@ -294,8 +290,6 @@ class CompletionService:
         if st is None or label not in st.live:
             return None
         return st.accrual(label)
-
-    # ------------------------------------------------------------------ commands
 
     def report(self, req: Report) -> Reported:
         """Buffer one worker's report for its step (typed errors; nothing changed on error)."""
@@ -432,8 +426,6 @@ class CompletionService:
         _remember(st.answers, step, answer, self.max_answers)
         self.collects_total += 1
         return answer
-
-    # ------------------------------------------------------------------ introspection
 
     def pending_requests(self) -> dict[str, int]:
         """Return how many requests each engine's aggregator waits on (the metrics gauge)."""

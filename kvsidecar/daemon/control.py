@@ -338,7 +338,7 @@ class ControlSocket:
                 trackers, large, pending = [], False, False
         if large:
             budget.track(trackers, size)
-        if command:  # metrics, once the reply is out: every answered command, with its latency
+        if command:  # metered once the reply is out: every answered command, with its latency
             self._observability.command(command, reply, started)
         if pending:
             self._schedule_read(from_thread=from_thread)

@@ -21,7 +21,7 @@ import torch
 from kvsidecar import __version__
 from kvsidecar.core import layout
 from kvsidecar.daemon.completions import CompletionService
-from kvsidecar.daemon.limits.access import AccessControl, EngineId, Principal  # security
+from kvsidecar.daemon.limits.access import AccessControl, EngineId, Principal
 from kvsidecar.daemon.metrics.observability import Observability
 from kvsidecar.daemon.state import DaemonState
 from kvsidecar.memory import cuda_driver, open_handles
@@ -183,14 +183,14 @@ class Registrations:
             host=host,
             lease_deadline=time.monotonic() + self._config.lease_s,
             fd_connection=conn_id,
-            epoch=next(self._epochs),  # reliability: fences the commands of earlier ones
+            epoch=next(self._epochs),  # fences the commands of earlier registrations
         )
         self._registry.add(engine, worker)
         engine_id = EngineId(engine.engine_id, engine.epoch)
         if existing is None:
             self._access.engine_created(engine_id, engine.owner)
         self._access.bind(who, ref, engine_id)
-        # completions + metrics: reports carry this registration's epoch; engine series at 0
+        # Reports carry this registration's epoch; the engine's metric series start at 0.
         epoch = self._completions.worker_registered(
             ref, engine.tp_size * engine.pp_size, epoch=worker.epoch or None
         )
@@ -353,12 +353,12 @@ class Registrations:
         worker = self._registry.remove(ref)
         if worker is None or engine is None:
             return
-        # completions + metrics: what waited for this worker completes (receiving: failed)
+        # What waited for this worker completes (receiving: failed), in completions and metrics.
         self._completions.worker_departed(ref, why)
         if ref.engine_id not in self._registry.engines:
             self._observability.engine_departed(ref.engine_id)
-        # reliability + security: its queued copies fail now (worker_lost; running ones finish
-        # on their thread and fail at the end), its connection binding and grants go.
+        # Its queued copies fail at once (worker_lost; running ones finish on their thread and
+        # fail at the end), its connection binding and grants go.
         for fut, refs in list(self._state.jobs.items()):
             if ref in refs:
                 fut.cancel()

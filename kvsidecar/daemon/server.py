@@ -168,7 +168,7 @@ class Daemon:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
             Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if cfg.host_pool_bytes > 0:
-            # Allocated and touched up front: first touch is several times slower than a copy.
+            # Allocated and touched up front: a page's first touch costs more than a copy into it.
             self.pool = HostPool(cfg.host_pool_bytes)
         executor = self.executor = CopyExecutor(cfg.copy_threads)
         # Use the descriptors we may: a flood must not meet a low soft limit.

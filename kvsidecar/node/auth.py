@@ -7,7 +7,7 @@ both checks:
 
 - on an **ipc** endpoint, libzmq 4.3 fills the request's address with the peer's kernel
   credentials (SO_PEERCRED at accept): ``"localhost:<uid>:<gid>:<pid>"``, even with the NULL
-  mechanism; the handler compares the uid with the allow-list. (``ZMQ_IPC_FILTER_UID`` did the
+  mechanism; the handler compares the uid with the allow-list. (``ZMQ_IPC_FILTER_UID`` does the
   same inside libzmq but is deprecated, and refuses silently.)
 - on a **tcp** endpoint with CURVE, the request carries the client's long-term public key; the
   handler compares it with the authorized keys.
@@ -143,7 +143,7 @@ class ZapHandler:
         )
         admit = self.admission.get(domain.decode(errors="replace"))
         refusal = "" if admit is None or status != b"200" else admit(address)
-        if refusal:  # reliability: a connection limit
+        if refusal:  # past a connection limit
             status, text, user = b"400", refusal, ""
         if status == b"200":
             self.stats.accepted += 1
@@ -259,7 +259,7 @@ def control_transport(config: Config) -> Transport:
     if config.curve_secret_key:
         keys, allowed = _curve_keys(config)
         return Transport(keys, DomainPolicy(uids=uids, curve_keys=allowed), insecure=False)
-    if not config.insecure:  # Config refuses this already; kept for configs built otherwise
+    if not config.insecure:  # Config refuses it: fail closed all the same, never open
         raise ConfigError("a tcp endpoint needs curve_secret_key or insecure")
     log.warning(
         "control endpoint %s runs WITHOUT authentication or encryption (insecure): anyone who "

@@ -87,7 +87,6 @@ class Config:
     fd_wait_s: float = 5.0
     use_uvloop: bool = True
     log_level: str = "info"
-    # --- peer (node-to-node transfer) ---
     peer_endpoint: str = ""
     peer_data_plane: str = "auto"
     peer_lease_s: float = 60.0
@@ -98,11 +97,9 @@ class Config:
     peer_streams: int = 2
     peer_nixl_wakeup_ms: int = 1
     peer_keep_freed_memory: bool = True
-    # --- metrics endpoint ---
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     metrics_grace_s: float = 30.0
-    # --- reliability and security ---
     allowed_uids: str = ""
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
@@ -111,17 +108,14 @@ class Config:
     max_moves_total: int = 4096
     checksum: bool = False
     short_move_fast_path: bool = True
-    # --- limits on sizes from the wire and per user ---
     max_layers: int = 1024
     max_host_blocks: int = 1 << 22
     host_pool_user_bytes: int = 0
     max_reply_bytes: int = 64 << 20
-    # --- connection limits ---
     max_connections: int = 1024
     max_connections_per_peer: int = 256
     fd_max_unclaimed: int = 4096
     fd_unclaimed_s: float = 30.0
-    # --- prefix cache ---
     cache_bytes: int = 256 << 20
     cache_pin_s: float = 30.0
 
@@ -164,7 +158,6 @@ class Config:
             raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
 
     def _check_peer_and_metrics(self) -> None:
-        # --- peer (node-to-node transfer) ---
         if self.peer_endpoint and not self.peer_endpoint.startswith("tcp://"):
             raise ConfigError(f"peer_endpoint must be tcp://host:port, got {self.peer_endpoint!r}")
         if self.peer_data_plane not in ("auto", "zmq", "nixl"):
@@ -182,7 +175,6 @@ class Config:
             raise ConfigError("peer_streams must be 1..64")
         if not 0 <= self.peer_nixl_wakeup_ms <= 60_000:
             raise ConfigError("peer_nixl_wakeup_ms must be 0..60000")
-        # --- metrics endpoint ---
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(
                 f"metrics_port must be -1 (off), 0 (any free) or a port, not {self.metrics_port}"
@@ -191,7 +183,6 @@ class Config:
             raise ConfigError("metrics_grace_s must be >= 0")
 
     def _check_security_and_limits(self) -> None:
-        # --- reliability and security ---
         if self.endpoint.startswith("tcp://") and not (self.curve_secret_key or self.insecure):
             raise ConfigError(
                 "a tcp endpoint needs curve_secret_key (see `kvsidecar keygen`) or, knowingly, "
@@ -214,7 +205,6 @@ class Config:
             _ = self.fd_limits
         except ValueError as exc:
             raise ConfigError(f"connection and fd limits: {exc}") from None
-        # --- prefix cache ---
         if self.cache_bytes < 0:
             raise ConfigError("cache_bytes must be >= 0")
         if not self.cache_pin_s > 0:

@@ -89,8 +89,8 @@ class CopyExecutor:
 
     The threads are this class's own, fed from one `queue.SimpleQueue`, rather than a
     `concurrent.futures.ThreadPoolExecutor`: on a 1-block move the pool's per-item future,
-    locks and callbacks cost more than the copy, on both sides of the hand-off (measured with
-    ``kvsidecar bench latency``, see docs/benchmarks.md).
+    locks and callbacks cost more than the copy, on both sides of the hand-off (docs/benchmarks.md,
+    "bench latency").
     """
 
     def __init__(self, threads: int, *, name: str = "kvsidecar-copy") -> None:
@@ -183,7 +183,7 @@ class CopyExecutor:
         True when no job in flight conflicts with it and the executor is open: such a job,
         run to the end before the loop does anything else, keeps arrival order as `submit`
         would (any later job is submitted after it has finished). For copies shorter than the
-        hand-off to a copy thread and back (two wake-ups, ~30 µs of a 1-block move's round trip).
+        hand-off to a copy thread and back (two thread wake-ups).
         """
         return not self._closing and not any(_conflicts(j, reads, writes) for j in self._active)
 

@@ -51,7 +51,7 @@ class Job:
     verification: integrity.Verification | None = None
     """Set when the move is checksummed end to end; filled by ``run``."""
     inline: bool = False
-    """Short enough to run on the event loop (`CopyExecutor.submit`'s ``inline``)."""
+    """Short enough to run on the event loop (`kvsidecar.daemon.runner.JobRunner.run`)."""
 
 
 fine_small = mover.fine_small
@@ -59,8 +59,9 @@ fine_small = mover.fine_small
 
 INLINE_MAX_BYTES = 128 << 10
 """Plain CPU moves up to this size run on the event loop instead of a copy thread: copying
-128 KiB takes about as long as the hand-off to a thread and back (two wake-ups, ~30 µs), which
-is most of a 1-block move's time in the daemon. The loop is held no longer than that."""
+128 KiB takes about as long as the hand-off to a thread and back (two thread wake-ups), which
+is most of a 1-block move's time in the daemon (docs/benchmarks.md, "bench latency"). The loop
+is held no longer than that."""
 
 
 def _select_layers(

@@ -6,7 +6,7 @@ error that names a long engine id) and never reads them could make the daemon ho
 of them per connection, on as many connections as it opens. Large replies go out zero-copy, so
 libzmq holds each one's buffer until the bytes reached the kernel (or the message was dropped);
 a `zmq.MessageTracker` says when that happened. `ReplyBudget` counts the bytes of the large
-replies still held and refuses new ones past ``max_reply_bytes``: the edge then answers
+replies still held and refuses new ones past ``max_reply_bytes``: the control socket then answers
 ``busy`` instead, and refuses requests whose replies may be large while no room is left.
 Small replies (under `kvsidecar.wire.zmqio.COPY_BELOW`) are copied into libzmq's own messages
 and not counted: the high-water mark bounds them to a few MiB per connection.

@@ -106,7 +106,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("use_uvloop", bool, True, "Run the event loop on uvloop when it is installed."),
     Setting("log_level", str, "info", "Logging level: debug, info, warning, error."),
-    # --- peer (node-to-node transfer, kvsidecar/peer/) ---
+    # Node-to-node transfer, read by the peer service (kvsidecar/peer/).
     Setting(
         "peer_endpoint",
         str,
@@ -172,7 +172,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Have glibc keep freed memory for reuse (raised mmap/trim thresholds), so that large "
         "ZeroMQ messages land in warm pages rather than fresh ones.",
     ),
-    # --- metrics endpoint (kvsidecar/observability.py) ---
+    # The metrics endpoint (kvsidecar/daemon/metrics/).
     Setting(
         "metrics_host",
         str,
@@ -191,7 +191,8 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "How long a departed engine's metric series stay (two scrape intervals or more).",
     ),
-    # --- reliability and security (kvsidecar/auth.py, access.py, admission.py) ---
+    # Who may connect (kvsidecar/node/auth.py), how many moves may queue
+    # (kvsidecar/daemon/limits/admission.py), and how moves are checked.
     Setting(
         "allowed_uids",
         str,
@@ -247,7 +248,7 @@ SETTINGS: tuple[Setting, ...] = (
         "on the event loop, with the same checks and bookkeeping as every move; false sends "
         "them through the general command path (docs/architecture.md).",
     ),
-    # --- limits on sizes from the wire and on what one user may hold ---
+    # Limits on sizes from the wire and on what one user may hold.
     Setting(
         "max_layers",
         int,
@@ -275,7 +276,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
         "them yet, all connections together; beyond it such requests get a busy error.",
     ),
-    # --- connection limits (kvsidecar/memory/fd_limits.py, daemon/limits/connections.py) ---
+    # Connection limits (kvsidecar/memory/fd_limits.py, kvsidecar/daemon/limits/connections.py).
     Setting(
         "max_connections",
         int,
@@ -302,7 +303,7 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "How long received fds wait for their registration before they are closed.",
     ),
-    # --- prefix cache (kvsidecar/daemon/cache/prefix.py) ---
+    # The prefix cache (kvsidecar/daemon/cache/prefix.py).
     Setting(
         "cache_bytes",
         int,

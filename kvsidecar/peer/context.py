@@ -55,7 +55,7 @@ class PlaneSet:
             if self.nixl is not None or self.nixl_error is not None:
                 return
             try:
-                # Creating an agent takes most of a second: keep the loop free meanwhile.
+                # Creating an agent starts threads and UCX workers: keep the loop free meanwhile.
                 self.nixl = await asyncio.get_running_loop().run_in_executor(
                     None,
                     functools.partial(

@@ -28,7 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvsidecar.peer.messages import PeerError, PeerReply, PeerRequest, ReadBlocks, ReadData
 from kvsidecar.peer.streams import Chunk, DataStream, Dest, PeerGone, PeerRefused
-from kvsidecar.wire.curve import KeyPair, secure_client_socket  # security
+from kvsidecar.wire.curve import KeyPair, secure_client_socket
 
 __all__ = ["Dest", "PeerGone", "PeerLink", "PeerRefused"]
 
@@ -42,7 +42,7 @@ must not hold the loop: a receive that finds a message waiting never yields by i
 
 
 class PeerLink:
-    """Connection to one remote peer endpoint; create with `PeerLink.open`."""
+    """Connection to one remote peer endpoint, made and shared by `PeerService.link`."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class PeerLink:
         # Fail fast on a dead peer rather than reconnecting into a half-read reply stream.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        if curve is not None:  # security: CURVE client of the remote daemon
+        if curve is not None:  # a CURVE client of the remote daemon
             secure_client_socket(self._sock, server_public=curve[0], keys=curve[1])
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self._sock.connect(endpoint)
@@ -135,8 +135,8 @@ class PeerLink:
         """Send every read (``msg``, its raw frames, where its data lands) and wait for them all.
 
         Each goes to the least busy data stream as it comes, so the first is on its way while
-        the rest are still being made. One wait for all of them, not a task and a timer each:
-        those were most of this loop's time per chunk of a pull.
+        the rest are still being made. One wait for all of them, not a task and a timer each,
+        which would cost this loop more per chunk than the rest of its handling.
 
         Raises `PeerGone` (timeout, disconnect, closed link) or `PeerRefused` on the first read
         that fails; the others are withdrawn then. When it raises, or is cancelled, no byte of

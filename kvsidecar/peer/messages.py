@@ -26,8 +26,8 @@ from kvsidecar.core.topology import EngineTransferInfo
 from kvsidecar.wire.types import Arrangement, BufferDescriptor, MemoryOrder, PromptDigest
 
 PEER_PROTOCOL_VERSION = 3
-"""Bumped on any incompatible change of the messages below (3: a handshake names the requests
-it will read, and the producer answers whether each may be read)."""
+"""Bumped on any incompatible change of the messages below; peers of another version are
+refused at the handshake."""
 
 PeerErrorCode = Literal[
     "version_mismatch",
@@ -172,7 +172,7 @@ class ReadData(_PeerReply, tag="read_data", frozen=True):
     nbytes: int
     packed: bool = False
     """One frame of ``nbytes`` follows, the ranges back to back in order, instead of one frame
-    per range (version 2)."""
+    per range."""
 
 
 class PeerError(_PeerReply, tag="peer_error", frozen=True):

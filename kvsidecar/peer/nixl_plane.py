@@ -57,11 +57,11 @@ def new_agent(name: str, config: Any, *, wakeup_ms: int = WAKEUP_MS) -> Any:
     with the agent's ``pthrDelay`` (µs, rounded up to whole ms) as the timeout: a periodic
     wake-up that NIXL keeps for fds that ``poll`` can miss. NIXL's Python ``nixl_agent`` sets
     ``pthrDelay`` to 0, so the thread never sleeps: it busy-polls a core for the agent's whole
-    life (two idle agents used 2.00 of this machine's 2 cores; 0.05 with 1 ms, and a 64 MiB
-    READ between them was no slower: 13-18 ms against 17-25). The Python API has no option
-    for it, so the native constructor is wrapped for this one construction (anything else that
-    uses the module meanwhile reaches the same bindings through the wrapper). ``wakeup_ms`` 0
-    keeps NIXL's busy poll; so does a NIXL whose bindings have no such field (logged).
+    life, while a 1 ms wake-up leaves idle agents idle and reads no slower (docs/benchmarks.md,
+    "bench peer"). The Python API has no option for it, so the native constructor is wrapped
+    for this one construction (anything else that uses the module meanwhile reaches the same
+    bindings through the wrapper). ``wakeup_ms`` 0 keeps NIXL's busy poll; so does a NIXL whose
+    bindings have no such field (logged).
     """
     from nixl._api import nixl_agent
 
@@ -123,8 +123,6 @@ class NixlPlane(DataPlane):
         self._remotes: dict[str, bytes] = {}
         self._stuck: list[Any] = []
 
-    # ---- registrations
-
     def sync(self, buffers: Iterable[tuple[Hashable, torch.Tensor]]) -> None:
         """Register these buffers (by key) and deregister every other one registered before."""
         wanted = dict(buffers)
@@ -153,8 +151,6 @@ class NixlPlane(DataPlane):
         self._agent.add_remote_agent(metadata)
         self._remotes[name] = metadata
 
-    # ---- transfers
-
     async def read(self, target: ReadTarget, plan: ReadPlan, deadline: float) -> int:
         """One READ of every range of ``plan``, polled until done or ``deadline``."""
         if len(plan.ranges) == 0:
@@ -179,8 +175,8 @@ class NixlPlane(DataPlane):
             target.remote_agent,
         )
         # transfer() may move every byte before it returns (UCX over TCP or shared memory
-        # does: 2-5 ms for 16 MiB here), so it runs on a thread (the binding releases the GIL)
-        # and the loop keeps serving everyone else meanwhile.
+        # does), so it runs on a thread (the binding releases the GIL) and the loop keeps
+        # serving everyone else meanwhile.
         posting = loop.run_in_executor(None, agent.transfer, handle)
         try:
             state = await asyncio.shield(posting)

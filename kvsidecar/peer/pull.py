@@ -227,8 +227,6 @@ class PeerPull:
         )
         return await self._complete(link, outcomes, plane_name)
 
-    # ------------------------------------------------------------------ handshake
-
     async def _handshake(self, link: PeerLink) -> PeerWelcome | Pulled:
         """Greet the remote daemon; a failed handshake fails the pull (the reply says why)."""
         ctx = self.ctx
@@ -314,8 +312,6 @@ class PeerPull:
             return self._fail("peer_unavailable", f"NIXL setup failed: {exc}")
         return None
 
-    # ------------------------------------------------------------------ plan
-
     def _plan(self, remote: PeerEngine) -> list[list[RankPlan]]:
         """Every request's plan, rank by rank; ``incompatible_peer`` if the engines disagree."""
         max_frame = min(1 << 20, self.config.peer_chunk_bytes)
@@ -331,8 +327,6 @@ class PeerPull:
         except (IncompatiblePeer, PlanError) as exc:
             self._report_failed()
             raise SidecarError("incompatible_peer", str(exc)) from None
-
-    # ------------------------------------------------------------------ transfer
 
     async def _transfer(
         self, source: _Source, ids: ItemIds, plans: list[RankPlan], refused: str
@@ -394,8 +388,6 @@ class PeerPull:
                     await link.send(msg)
                 except (PeerGone, zmq.ZMQError):
                     log.warning("notification for %s not sent", request_id)
-
-    # ------------------------------------------------------------------ completion
 
     async def _complete(self, link: PeerLink, outcomes: list[_Outcome], plane: str) -> Pulled:
         """Report every request as finished or failed, and build the reply."""

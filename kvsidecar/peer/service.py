@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvsidecar.node.auth import (  # security
+from kvsidecar.node.auth import (
     PEER_DOMAIN,
     Transport,
     ZapHandler,
@@ -123,12 +123,12 @@ class PeerService:
         """Peer messages that did not decode (dropped)."""
         self._logged: dict[str, float] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._zap: ZapHandler | None = None  # security: authenticates peers on the endpoint
+        self._zap: ZapHandler | None = None  # authenticates peers on the endpoint
         self._transport: Transport | None = None
         self._sock: zmq.Socket[Any] | None = None
         """The peer endpoint: a plain socket, read from a loop reader callback on its fd and
         written without waiting. The asyncio socket's ``recv_multipart`` and ``send`` cost a
-        future per message or frame: a quarter of the producer's loop time serving pulls."""
+        future per message or frame, which a producer serving pulls would pay on every chunk."""
         self._read_scheduled = False
         """A call of `_on_peer_readable` is queued on the loop (never more than one)."""
         self.packed_budget = ReplyBudget(PACKED_REPLY_BYTES)
@@ -152,8 +152,6 @@ class PeerService:
         self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerRequest)
-
-    # ------------------------------------------------------------------ lifecycle
 
     @property
     def pulls_total(self) -> int:
@@ -188,7 +186,7 @@ class PeerService:
         # One ZeroMQ I/O thread per data stream, so that the streams' connections are served
         # (read on the consumer, written on the producer) in parallel.
         self._ctx = zmq.asyncio.Context(io_threads=cfg.peer_streams)
-        # security: CURVE (or knowingly plain) on the peer endpoint and on links to other peers
+        # CURVE (or knowingly plain) on the peer endpoint and on links to other peers.
         self._transport = peer_transport(cfg)
         if cfg.peer_endpoint:
             self._bind(self._ctx, self._transport, cfg.peer_endpoint)
@@ -227,7 +225,7 @@ class PeerService:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        await close_zap_and_context(self._zap, self._ctx)  # security
+        await close_zap_and_context(self._zap, self._ctx)
         self._zap, self._ctx = None, None
         self.planes.close()
 
@@ -244,8 +242,6 @@ class PeerService:
         self.completions.clear()
         self.completions.extend(keep)
         return PeerEvents(id=req.id, events=taken)
-
-    # ------------------------------------------------------------------ commands
 
     def publish(self, req: Publish, ids: IdArray) -> Ok:
         """Hold a request's blocks for remote readers until read or until the lease ends."""
@@ -264,8 +260,6 @@ class PeerService:
         when the remote daemon turns out to be this one.
         """
         return check_pull(self._pulls, req, remote_ids, local_ids, may_read).run()
-
-    # ------------------------------------------------------------------ peer endpoint
 
     async def _serve(self) -> None:
         """Serve the peer endpoint from a reader callback on its fd until cancelled."""
@@ -396,8 +390,6 @@ class PeerService:
             verdicts=[self.producer.verdict(claim) for claim in msg.claims],
         )
 
-    # ------------------------------------------------------------------ links
-
     def link(self, endpoint: str) -> PeerLink:
         """Return the link to the daemon at ``endpoint``; connect on first use or after a drop.
 
@@ -414,7 +406,7 @@ class PeerService:
                 self._ctx,
                 endpoint,
                 self.config.peer_max_in_flight,
-                curve=peer_link_curve(self._transport) if self._transport else None,  # security
+                curve=peer_link_curve(self._transport) if self._transport else None,
                 streams=self.config.peer_streams,
             )
             self._links[endpoint] = link

@@ -12,7 +12,7 @@ reference to each view until it is sent, so the mapping outlives the send even i
 unregisters meanwhile. A chunk of many small ranges (single blocks: the ids an engine's
 allocator hands out are rarely consecutive) is packed into one frame instead (`packable`,
 `pack`): each frame is a send system call on the producer's side and a receive on the
-consumer's, which for 32 KiB blocks cost more than copying the bytes once more.
+consumer's, which for small blocks costs more than copying the bytes once more.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _geometries: weakref.WeakKeyDictionary[LayerBuffer, list[tuple[int, int, int, in
 FEW_RANGES = 16
 """A read of at most this many ranges is checked with plain ints (`_check_few`), a larger one
 with numpy (`_check_many`): for the few ranges of a chunk of long runs, numpy's per-call cost
-was most of the producer's check (`benchmarks/probes/probe_producer_chunk.py`)."""
+would be most of the producer's check (`benchmarks/probes/probe_producer_chunk.py`)."""
 
 
 def as_bytes(layer: LayerBuffer) -> npt.NDArray[np.uint8]:
@@ -63,16 +63,16 @@ def as_bytes(layer: LayerBuffer) -> npt.NDArray[np.uint8]:
 FRAME_BYTES = 1 << 20
 """Largest data frame: a longer range is read as several frames. ZeroMQ receives each frame
 into memory of its own, which for large frames means fresh pages whose first touch costs more
-than the copy (MEASURED.md: 16 MiB frames stream at about half the rate of 1 MiB ones). Contiguous
-blocks make ranges of many MiB (a layer's whole K half), so they are cut here, on the consumer:
-the producer sends one frame per requested range, whatever its length."""
+than the copy, so large frames stream slower than 1 MiB ones (docs/benchmarks.md, "bench peer").
+Contiguous blocks make ranges of many MiB (a layer's whole K half), so they are cut here, on the
+consumer: the producer sends one frame per requested range, whatever its length."""
 
 
 PACK_BELOW = 256 << 10
-"""A reply is packed when its ranges average fewer bytes than this (`packable`). Measured with
-`benchmarks/probes/probe_producer_chunk.py`: a 4 MiB chunk of 128 single 32 KiB blocks cost the
-producer 1.9-2.2 ms of CPU as 128 frames against 0.8-0.9 ms for 4 frames of 1 MiB, nearly all
-of the difference in ZeroMQ's I/O thread, one ``send`` per frame."""
+"""A reply is packed when its ranges average fewer bytes than this (`packable`). Each frame costs
+the producer one ``send`` in ZeroMQ's I/O thread, so many small frames cost far more CPU than the
+same bytes in a few large ones (`benchmarks/probes/probe_producer_chunk.py`; docs/benchmarks.md,
+"bench peer")."""
 
 
 def packable(reply: ReadData, frames: list[Any]) -> bool:
@@ -132,7 +132,7 @@ class ZmqPlane(DataPlane):
             for lo, hi in self._chunks(ranges):
                 rows = ranges[lo:hi]
                 # Plain ints (``tolist``): iterating numpy rows makes a numpy scalar per number,
-                # which for a chunk of 128 single blocks cost more than the rest of its request.
+                # which for a chunk of many single blocks costs more than the rest of its request.
                 dests: list[Dest] = [
                     locals_np[li][off : off + n]
                     for (li, off), n in zip(dest[lo:hi].tolist(), rows[:, 2].tolist(), strict=True)

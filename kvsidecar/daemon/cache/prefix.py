@@ -30,9 +30,9 @@ holding more are made again at an equal share, empty (a new model or a cache res
 visible only once its copy has finished, and least recently used blocks are evicted when a
 namespace is full, never while a lookup's pin or a running load holds them.
 
-The command handlers (`CacheCommands`, a `kvsidecar.daemon.server.Daemon` mixin) run on the
-event loop; the copies run on the copy executor as ordinary move jobs (`kvsidecar.node.jobs`),
-so they are ordered against every other copy of the same blocks.
+The command handlers (`kvsidecar.daemon.cache.commands.CacheCommands`) run on the event loop;
+the copies run on the copy executor as ordinary move jobs (`kvsidecar.node.jobs`), so they are
+ordered against every other copy of the same blocks.
 """
 
 from __future__ import annotations
@@ -145,8 +145,6 @@ class PrefixCache:
         self._pin_ids = itertools.count(1)
         self.metrics = metrics(self.state)
 
-    # ------------------------------------------------------------------ state
-
     def state(self) -> CacheState:
         """Return what the gauges show (`kvsidecar.daemon.metrics.cache`)."""
         spaces = self.namespaces.values()
@@ -165,8 +163,6 @@ class PrefixCache:
         self.namespaces.clear()
         self.current.clear()
         self.pins.clear()
-
-    # ------------------------------------------------------------------ pins
 
     def sweep_pins(self, now: float) -> None:
         """Release the pins whose lease ended (their engine never loaded them)."""
@@ -200,8 +196,6 @@ class PrefixCache:
                 ns.index.unpin(slots)
         if not pin.parts:
             del self.pins[pin_id]
-
-    # ------------------------------------------------------------------ namespaces
 
     def lookup_spaces(
         self, owner: str, fingerprint: str, tp_size: int, loads: int = 1

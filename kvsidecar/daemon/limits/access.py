@@ -115,8 +115,6 @@ class AccessControl:
         engine = self._lookup(name)
         return None if engine is None else EngineId(name, engine.epoch)
 
-    # -- bindings
-
     def bind(self, who: Principal, ref: WorkerRef, engine: EngineId) -> None:
         """Record that ``who``'s connection registered ``ref``, a worker of ``engine``."""
         key = (who.ident, who.user)
@@ -152,8 +150,6 @@ class AccessControl:
             self._principals.clear()
         self._principals[key] = who
         return who
-
-    # -- engines and grants
 
     def engine_created(self, engine: EngineId, owner: str) -> None:
         """Record a new engine: grants that waited for its name and owner now hold it."""
@@ -196,8 +192,6 @@ class AccessControl:
                     del grants[key]
             if not grants:
                 del self._grants[owner]
-
-    # -- checks
 
     def may(self, who: Principal, engine_id: str, *, write: bool) -> bool:
         """Whether ``who`` may read (or write) ``engine_id``'s buffers and host blocks."""
@@ -295,7 +289,7 @@ def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
                 acl.check_same_user(who, req.remote_engine_id, "local pull")
         case Publish():
             acl.check(who, req.engine_id, write=False, what="publish")
-        # prefix cache: a namespace is its user's (kvsidecar/daemon/cache/prefix.py), so a lookup is
+        # A cache namespace is its user's (kvsidecar/daemon/cache/prefix.py), so a lookup is
         # anyone's; a store reads the worker's blocks, a load writes them.
         case CacheLookup():
             return

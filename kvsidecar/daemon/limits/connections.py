@@ -2,8 +2,8 @@
 
 libzmq accepts every connection that arrives (a descriptor each) and has no limit of its own,
 and its ipc listener aborts the whole process when ``accept`` meets EMFILE (libzmq 4.3.5,
-``ipc_listener.cpp:297``): one local process opening a thousand DEALER sockets took down a daemon
-limited to 1024 descriptors. A `ConnectionCount` follows the socket's monitor (accepted and
+``ipc_listener.cpp:297``), so one local process opening DEALER sockets until the descriptors run
+out would take the daemon down. A `ConnectionCount` follows the socket's monitor (accepted and
 disconnected events, with the connection's descriptor) and keys each connection by its peer:
 (uid, pid) from ``SO_PEERCRED`` on ipc, the address on tcp. The ZAP handler, asked about every
 new connection, then refuses any beyond ``max_total`` (and beyond a quarter of the descriptors

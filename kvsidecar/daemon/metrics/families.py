@@ -59,18 +59,13 @@ def _ladder(low: float, high: float) -> tuple[float, ...]:
 
 
 MOVE_DURATION_BUCKETS: Final[tuple[float, ...]] = _ladder(0.0001, 10.0)
-"""100 us (one small block on a fast path) to 10 s (a large peer pull on a slow link)."""
+"""100 µs (one small block on a fast path) to 10 s (a large peer pull on a slow link)."""
 
 COMMAND_DURATION_BUCKETS: Final[tuple[float, ...]] = (*_ladder(0.000025, 0.25), 1.0)
-"""Handling a command is bookkeeping on the loop: tens of microseconds when healthy."""
+"""Handling a command is bookkeeping on the loop, far shorter than a move: 25 µs to 1 s."""
 
 LOOP_LAG_BUCKETS: Final[tuple[float, ...]] = _ladder(0.001, 10.0)
 """Lag of the watchdog's timer: anything above a few ms means something blocked the loop."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The families, by what they count
-# --------------------------------------------------------------------------------------------------
 
 
 _Family = TypeVar("_Family", Counter, Gauge, Info)
@@ -230,11 +225,6 @@ def _package_version(name: str) -> str:
         return "none"
 
 
-# --------------------------------------------------------------------------------------------------
-# Recording
-# --------------------------------------------------------------------------------------------------
-
-
 @dataclass(slots=True)
 class _MoveSeries:
     """The `Tally` series one ``(kind, engine)`` move adds to, cached for the hot path."""
@@ -303,8 +293,6 @@ class DaemonMetrics:
     def attach_state(self, provider: StateProvider | None) -> None:
         """Read the live-state gauges from ``provider`` from the next scrape; None omits them."""
         self._state_collector.provider = provider
-
-    # ---- hot path --------------------------------------------------------------------------------
 
     def record_move(self, kind: MoveKind, engine: str, nbytes: int, seconds: float) -> None:
         """Count one successful move of ``nbytes`` bytes that took ``seconds``.
@@ -378,8 +366,6 @@ class DaemonMetrics:
     def set_insecure_transport(self, insecure: bool) -> None:
         """Set whether any tcp endpoint runs without encryption."""
         self._daemon.insecure_transport.set(1 if insecure else 0)
-
-    # ---- engine lifecycle ------------------------------------------------------------------------
 
     def add_engine(self, engine: str) -> None:
         """Start the per-engine counters of ``engine`` at 0 and cancel its pending removal.

@@ -2,13 +2,13 @@
 
 `kvsidecar.daemon.metrics.families` (the metrics), `kvsidecar.daemon.metrics.state` (the scrape-time
 state) and `kvsidecar.daemon.metrics.server` (the HTTP endpoint) know nothing of the daemon; this
-module is the glue, so that ``daemon.py`` only calls a handful of methods:
+module is the glue, so that the daemon's services only call a handful of methods:
 
 - `Observability` owns the daemon's `CollectorRegistry` (never the process-global one), its
   `DaemonMetrics` and, unless ``metrics_port`` is negative, its `MetricsServer`;
 - `move_kind` / `fix_kind` classify a move the way the metrics label it;
 - `snapshot` and `readiness` build the scrape-time state and the ``/readyz`` facts from the
-  daemon's parts (the daemon's `metrics_state` / `readiness` methods call them).
+  daemon's parts (`kvsidecar.daemon.server.Daemon`'s `metrics_state` / `readiness` call them).
 
 ``prometheus_client.disable_created_metrics()`` is process-wide, so it is not called here: the
 CLI entry points (``kvsidecar serve``, ``python -m kvsidecar.daemon``) call it.
@@ -102,8 +102,6 @@ class Observability:
     def loop_healthy(self) -> bool:
         """Whether the event-loop watchdog sees a responsive loop (True without an endpoint)."""
         return True if self.server is None else self.server.loop_health()[0]
-
-    # ---- recorders ---------------------------------------------------------------------------
 
     def command(self, command: str, reply: Reply, started: float) -> None:
         """Count one answered command with its result and the time since ``started``."""

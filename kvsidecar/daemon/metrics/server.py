@@ -29,11 +29,6 @@ __all__ = ["HealthProvider", "MetricsServer", "Readiness"]
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------------
-# What the daemon provides
-# --------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Readiness:
     """The facts ``/readyz`` is decided on."""
@@ -70,10 +65,6 @@ class HealthProvider(Protocol):
         ...
 
 
-# --------------------------------------------------------------------------------------------------
-# The server
-# --------------------------------------------------------------------------------------------------
-
 _TEXT: Final = "text/plain; charset=utf-8"
 
 
@@ -101,8 +92,8 @@ class MetricsServer:
       ``request_timeout_s``).
 
     One request per connection (``Connection: close``): scrapes and probes come seconds apart, and
-    it keeps the server free of keep-alive state. Collection runs on the loop; with the few hundred
-    series the daemon exports it takes well under a millisecond.
+    it keeps the server free of keep-alive state. Collection runs on the loop, which the few
+    hundred series the daemon exports keep short.
 
     At most ``max_connections`` are open at once; a new one beyond that closes the oldest (which
     has waited longest for its request head, or for a slow reader to take its answer). A probe
@@ -153,8 +144,6 @@ class MetricsServer:
         self._last_tick = 0.0
         self._stalled_until = 0.0
         self._worst_recent_lag = 0.0
-
-    # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Bind the listening socket and start the loop watchdog."""
@@ -212,8 +201,6 @@ class MetricsServer:
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"http://{host}:{self.port}"
 
-    # ---- health ------------------------------------------------------------------------------
-
     def loop_health(self) -> tuple[bool, str]:
         """Whether the event loop is responsive, with a short explanation."""
         if self._loop is None:
@@ -250,8 +237,6 @@ class MetricsServer:
                     self._on_loop_lag(lag)
                 except Exception:
                     logger.exception("loop-lag callback failed")
-
-    # ---- requests ----------------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -1,10 +1,10 @@
 """Hot-path counters and histograms as plain numbers under one lock, exported at scrape time.
 
-prometheus_client's `Counter` and `Histogram` validate and take a lock per value on every update:
-a move's four updates and a command's two cost ~4 µs, 3-4% of a 1-block move's round trip
-(measured with the daemon, the echo and the client pinned, docs/benchmarks.md). A `Tally` keeps
-the same series as plain numbers, changed under one lock per record, and builds their metric
-families at each scrape, as `kvsidecar.daemon.metrics.state` does for the live-state gauges.
+prometheus_client's `Counter` and `Histogram` validate and take a lock per value on every update,
+and a move makes four updates and a command two: a visible share of a 1-block move's round trip
+(docs/benchmarks.md, "bench latency"). A `Tally` keeps the same series as plain numbers, changed
+under one lock per record, and builds their metric families at each scrape, as
+`kvsidecar.daemon.metrics.state` does for the live-state gauges.
 
 Each series is a small list the recorder holds on to (`CounterFamily.cell`,
 `HistogramFamily.cell`), so that a record is a dict lookup and a few additions. The families'
