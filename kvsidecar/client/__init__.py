@@ -31,7 +31,7 @@ from __future__ import annotations
 # `export`), and a transport (`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`:
 # how calls travel). `kvsidecar.client.facade` holds what both share; the typed public methods
 # are in `kvsidecar.client.sync` and `kvsidecar.client.aio`, kept in step by a test
-# (tests/test_client_parity.py).
+# (tests/client/test_parity.py).
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.codec import Ids
 from kvsidecar.client.export import export_layers

@@ -4,7 +4,7 @@
 add a transport of their own (`kvsidecar.client.sync_transport`, `kvsidecar.client.aio_transport`)
 and one method per command that builds the call (`_Requests`, `_CacheRequests`), carries it on
 the transport, and returns what the call's ``finish`` made of the reply. The two method sets are
-kept in step by ``tests/test_client_parity.py``.
+kept in step by ``tests/client/test_parity.py``.
 """
 
 from __future__ import annotations
