@@ -116,8 +116,7 @@ def _as_ids(ids: BlockIds, what: str) -> _IdArray:
 
 SMALL_MOVE_IDS = 16
 """Moves of at most this many ids are checked and planned in pure Python (`fine_small`,
-`plan_small`): for a handful of ids, numpy's per-call cost is several times the work (measured:
-14 µs against 1 µs for one id)."""
+`plan_small`): for a handful of ids, numpy's per-call cost is several times the work."""
 
 
 def check_range(ids: IdArray, num_blocks: int, what: str) -> None:
@@ -151,7 +150,8 @@ def check_unique(ids: IdArray, what: str, num_blocks: int) -> None:
         if len(set(values)) == len(values):
             return
     elif ids.size * 64 >= num_blocks:
-        # One flag per block rather than a sort: 4 µs instead of 86 for 1024 ids of 4096 blocks.
+        # One flag per block rather than a sort once the ids are a fair share of the blocks:
+        # linear in the blocks, with no sort of the ids.
         seen = np.zeros(num_blocks, dtype=np.bool_)
         seen[ids] = True
         if int(np.count_nonzero(seen)) == ids.size:
