@@ -98,33 +98,32 @@ class JobRunner:
         `Moved` made from the job's fields (a batch's `MovedBatch`). ``finish`` turns the job's
         reply (a `Moved`) into the one sent, after ``track`` ran; an `Error` is sent as it is.
         """
+        started = time.perf_counter()
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        result: Reply | BaseException
         if job.inline and self._executor.free(reads=job.reads, writes=job.writes):
-            return self._run_here(
-                job, request_id, answer, move=move, track=track, build=build, finish=finish
-            )
-        return self._submit(
-            job, request_id, answer, move=move, track=track, build=build, finish=finish
-        )
-
-    def _submit(
-        self,
-        job: Job,
-        request_id: int,
-        answer: Answer,
-        *,
-        move: bool,
-        track: Track | None,
-        build: Callable[[int], Reply] | None,
-        finish: Callable[[Moved], Reply] | None,
-    ) -> asyncio.Future[Reply]:
-        # The workers as they are now: a release (or re-registration) while the job waits or
-        # runs fails it instead of reporting bytes that may have gone to, or come from, memory
-        # nobody owns any more.
+            # Run here. A success is answered at once, as a copy thread answers it, and the
+            # bookkeeping follows while the reply travels, still before the loop reads any later
+            # request. No worker can be released and no other job can start while this runs,
+            # so there is neither admission nor a worker check to do.
+            try:
+                nbytes = job.run()
+                result = self._success_reply(
+                    job, request_id, nbytes, {}, move=move, started=started, build=build
+                )
+            except Exception as exc:  # as from a copy thread: handed on to the reply
+                result = exc
+            sent = finish is None and not isinstance(result, BaseException) and answer.send(result)
+            self._conclude(outcome, request_id, result, move, track)
+            if not sent:
+                answer.send(_final(outcome, request_id, finish))
+            return outcome
+        # On a copy thread, with the workers as they are now: a release (or re-registration)
+        # while the job waits or runs fails it instead of reporting bytes that may have gone to,
+        # or come from, memory nobody owns any more.
         refs = [w for w in job.workers if isinstance(w, WorkerRef)]
         ticket = self._admission.admit(refs)  # bounded queue: busy beyond it
         owners = {ref: self._registry.workers.get(ref) for ref in refs}
-        started = time.perf_counter()
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
         def success(nbytes: int) -> Reply:
             return self._success_reply(
@@ -162,37 +161,6 @@ class JobRunner:
             on_thread=None if finish is not None else on_thread,
         )
         self._state.jobs[pending] = job.workers
-        return outcome
-
-    def _run_here(
-        self,
-        job: Job,
-        request_id: int,
-        answer: Answer,
-        *,
-        move: bool,
-        track: Track | None,
-        build: Callable[[int], Reply] | None,
-        finish: Callable[[Moved], Reply] | None,
-    ) -> asyncio.Future[Reply]:
-        # A success is answered at once, as a copy thread answers it, and the bookkeeping
-        # follows while the reply travels, still before the loop reads any later request. No
-        # worker can be released and no other job can start while this runs, so there is
-        # neither admission nor a worker check to do.
-        started = time.perf_counter()
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        result: Reply | BaseException
-        try:
-            nbytes = job.run()
-            result = self._success_reply(
-                job, request_id, nbytes, {}, move=move, started=started, build=build
-            )
-        except Exception as exc:  # as from a copy thread: handed on to the reply
-            result = exc
-        sent = finish is None and not isinstance(result, BaseException) and answer.send(result)
-        self._conclude(outcome, request_id, result, move, track)
-        if not sent:
-            answer.send(_final(outcome, request_id, finish))
         return outcome
 
     def _conclude(
