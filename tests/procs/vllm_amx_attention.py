@@ -1,15 +1,14 @@
 """Run vLLM's amx attention kernel once, in a fresh process, and check what it computes.
 
 Run with ``.venv-vllm``'s Python and the checkout on ``PYTHONPATH`` (tests/vllm/test_engines.py), as
-``python -m tests.procs.vllm_amx_attention ask|no-ask``. With ``ask`` the process first calls
-the connector's `_request_amx` (Linux's permission to use AMX tiles); with ``no-ask`` nothing in it
-has asked. Then K and V of 130 tokens go into a bfloat16 cache of 64-token blocks through
-``cpu_attn_reshape_and_cache`` (isa ``amx``), and one query token attends to them through
-``cpu_attention_with_kv_cache``, as a decode engine's first step after a pulled prompt does. The
-output is compared with softmax(q K^T / sqrt(C)) V computed here in float32; prints one JSON line
-``{"max_error": ...}``. Without the permission, the kernel's first AMX instruction kills the process
-(SIGILL) before it prints.
-"""
+``python -m tests.procs.vllm_amx_attention ask|no-ask``. With ``ask`` the process first calls the
+connector's `kvsidecar.integrations.vllm.cpu_kernels.request_amx` (Linux's permission to use AMX
+tiles); with ``no-ask`` nothing in it has asked. Then K and V of 130 tokens go into a bfloat16 cache
+of 64-token blocks through ``cpu_attn_reshape_and_cache`` (isa ``amx``), and one query token attends
+to them through ``cpu_attention_with_kv_cache``, as a decode engine's first step after a pulled
+prompt does. The output is compared with softmax(q K^T / sqrt(C)) V computed here in float32; prints
+one JSON line ``{"max_error": ...}``. Without the permission, the kernel's first AMX instruction
+kills the process (SIGILL) before it prints."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import sys
 import torch
 from vllm import _custom_ops as ops
 
-from kvsidecar.integrations.vllm.connector import _request_amx
+from kvsidecar.integrations.vllm.cpu_kernels import request_amx
 
 HEADS, C, N, TOKENS = 2, 32, 64, 130
 
@@ -27,7 +26,7 @@ HEADS, C, N, TOKENS = 2, 32, 64, 130
 def main() -> None:
     """Run the kernel (see the module doc) and print its error against the reference."""
     if sys.argv[1] == "ask":
-        _request_amx()
+        request_amx()
     gen = torch.Generator().manual_seed(5)
     k = torch.randn(TOKENS, HEADS, C, generator=gen).to(torch.bfloat16)
     v = torch.randn(TOKENS, HEADS, C, generator=gen).to(torch.bfloat16)

@@ -248,7 +248,8 @@ def test_vllms_amx_attention_needs_the_permission_the_connector_asks_for(
     """vLLM 0.32's amx attention uses AMX tiles without asking Linux for them: in a process where
     nothing asked first it dies (SIGILL), which killed decode engines whose first forward was a
     pulled prompt's last token. The connector asks when it registers an amx-packed cache
-    (`_request_amx`); then the kernel's output is right (tests/procs/vllm_amx_attention.py)."""
+    (`cpu_kernels.request_amx`); then the kernel's output is right
+    (tests/procs/vllm_amx_attention.py)."""
     if kernel_packing["isa"] != "amx":
         pytest.skip("this CPU has no AMX: vLLM picks its vec kernels, which need no permission")
     asked = _vllm_helper(venv, "vllm_amx_attention", "ask")
