@@ -1,4 +1,4 @@
-"""Class 2 of issue 13: no side door into another engine's blocks.
+"""No side door into another engine's blocks.
 
 A real daemon process serves the test's own uid (root here) and ``nobody``; its sockets are
 opened up so that the uid allow-list and the engine checks are all that stand between them. The

@@ -1,4 +1,4 @@
-"""Class 6 of issue 13: starting a daemon must never damage a live one or another directory.
+"""Starting a daemon must never damage a live one or another directory.
 
 A second ``kvsidecar serve`` is refused while a daemon serves the same runtime directory (or the
 same control endpoint); on its way out it must leave the live daemon's sockets alone, so that new

@@ -1,4 +1,4 @@
-"""Class 1 of issue 13: no worker can crash the daemon with memory it can pull away.
+"""No worker can crash the daemon with memory it can pull away.
 
 A worker that registers memory it can still shrink (an unsealed memfd, a file on disk or on
 tmpfs) and then truncates it would make the daemon's next copy touch pages that no longer exist:

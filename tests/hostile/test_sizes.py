@@ -1,4 +1,4 @@
-"""Class 5 of issue 13: sizes from the wire are checked against limits before anything is allocated.
+"""Sizes from the wire are checked against limits before anything is allocated.
 
 Raw requests to a real daemon process: a registration asking for millions of host blocks or
 thousands of layers must be refused at once with a typed error (not allocate first and stall

@@ -1,4 +1,4 @@
-"""CUDA IPC as far as it can be observed without a GPU (issue 15; the GPU half is test_gpu.py).
+"""CUDA IPC as far as it can be observed without a GPU (the GPU half is test_gpu.py).
 
 The wire format with the device UUID, the UUID -> index mapping, typed refusals of malformed
 handles (checked before any CUDA call, so a CPU-only daemon gives the same answers), one open and

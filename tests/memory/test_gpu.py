@@ -1,4 +1,4 @@
-"""What only a GPU can show (issue 15): run with ``pytest -m gpu``, or benchmarks/gpu_check.sh.
+"""What only a GPU can show: run with ``pytest -m gpu``, or benchmarks/gpu_check.sh.
 
 The daemon is always a process of its own (CUDA IPC cannot open a handle in the process that
 exported it), and so is each engine that needs its own environment (allocator settings,
