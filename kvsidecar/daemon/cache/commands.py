@@ -129,7 +129,8 @@ class CacheCommands:
             ns.hit_blocks += hits
         if req.pin_s > 0 and spaces is not None and hits:
             pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s, req.loads)
-            cache.metrics.pin(hits)
+            if pin_id:
+                cache.metrics.pin(hits)
         return CacheHits(id=req.id, hits=hits, pin_id=pin_id)
 
     def store(

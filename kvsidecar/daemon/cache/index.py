@@ -10,6 +10,11 @@ one KV block. This index says which key (vLLM's block hash) lives in which slot 
 Pins are counts per slot: a lookup that pins for a scheduler, and every load while its copy
 runs, keep their slots from being evicted (so from being rewritten by a store) until unpinned.
 Nothing here touches memory: the namespace copies, this decides.
+
+Every operation costs in proportion to the keys or slots it names, never to the namespace's
+size: a pinned key leaves the eviction order while it is pinned (and comes back, most recently
+used, when its last pin goes), so an eviction takes the first key of that order, whatever a
+client pinned.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class CacheIndex:
             raise ValueError(f"a cache namespace needs at least one slot, not {capacity}")
         self.capacity = capacity
         self._slot: dict[bytes, int] = {}
-        self._ready: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        """Ready keys, least recently used first."""
+        self._key: dict[int, bytes] = {}
+        """Slot -> the key it holds (filling or ready): what a pin of a slot pins."""
+        self._ready: set[bytes] = set()
+        self._evictable: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """Ready keys with no pin, least recently used first: the eviction order."""
         self._pins: dict[int, int] = {}
         # A stack: low slots are handed out first, which keeps runs of slots contiguous.
         self._free = list(range(capacity - 1, -1, -1))
@@ -79,7 +87,7 @@ class CacheIndex:
         out: list[int | None] = []
         for key in keys:
             if key in self._ready:
-                self._ready.move_to_end(key)
+                self._used(key)
                 out.append(self._slot[key])
             else:
                 out.append(None)
@@ -88,7 +96,10 @@ class CacheIndex:
     def pin(self, slots: Sequence[int]) -> None:
         """Keep these slots from eviction until `unpin` (counts: pin twice, unpin twice)."""
         for s in slots:
-            self._pins[s] = self._pins.get(s, 0) + 1
+            count = self._pins.get(s, 0)
+            self._pins[s] = count + 1
+            if not count and (key := self._key.get(s)) is not None:
+                self._evictable.pop(key, None)
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Release one pin of each slot (slots no longer pinned are ignored)."""
@@ -96,8 +107,15 @@ class CacheIndex:
             left = self._pins.get(s, 0) - 1
             if left > 0:
                 self._pins[s] = left
-            else:
-                self._pins.pop(s, None)
+            elif self._pins.pop(s, None) is not None:
+                key = self._key.get(s)
+                if key is not None and key in self._ready:
+                    self._evictable[key] = None  # used last by the pin's holder
+
+    def _used(self, key: bytes) -> None:
+        """Make a used key the most recently used of those that may be evicted."""
+        if key in self._evictable:
+            self._evictable.move_to_end(key)
 
     def reserve(self, keys: Sequence[bytes]) -> Reservation:
         """Give each new key a slot, marked filling (free slots first, then LRU eviction)."""
@@ -107,8 +125,7 @@ class CacheIndex:
         for i, key in enumerate(keys):
             if key in self._slot:  # stored already, or being stored (also earlier in this list)
                 present += 1
-                if key in self._ready:
-                    self._ready.move_to_end(key)
+                self._used(key)
                 continue
             if self._free:
                 slot = self._free.pop()
@@ -120,21 +137,21 @@ class CacheIndex:
                 slot = found
                 evicted += 1
             self._slot[key] = slot
+            self._key[slot] = key
             positions.append(i)
             slots.append(slot)
         return Reservation(positions, slots, present, dropped, evicted)
 
     def _evict_one(self) -> int | None:
         """Free the least recently used ready, unpinned slot; None when there is none."""
-        for key in self._ready:
-            slot = self._slot[key]
-            if slot in self._pins:
-                continue
-            del self._ready[key]
-            del self._slot[key]
-            self.evictions_total += 1
-            return slot
-        return None
+        if not self._evictable:
+            return None
+        key, _ = self._evictable.popitem(last=False)
+        self._ready.discard(key)
+        slot = self._slot.pop(key)
+        del self._key[slot]
+        self.evictions_total += 1
+        return slot
 
     def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, ok: bool) -> None:
         """End a store: its keys become ready (``ok``), or their slots free again."""
@@ -142,7 +159,10 @@ class CacheIndex:
             if self._slot.get(key) != slot or key in self._ready:
                 continue  # not this store's reservation (cannot happen; never corrupt the map)
             if ok:
-                self._ready[key] = None
+                self._ready.add(key)
+                if slot not in self._pins:
+                    self._evictable[key] = None
             else:
                 del self._slot[key]
+                del self._key[slot]
                 self._free.append(slot)

@@ -37,7 +37,9 @@ ordered against every other copy of the same blocks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import heapq
 import itertools
 import logging
 import time
@@ -109,11 +111,18 @@ class Namespace:
         return self.buffers.nbytes
 
 
+MAX_PINS_PER_OWNER = 4096
+"""Live pins one owner may hold, all its namespaces together: a lookup past it is answered
+without a pin (``pin_id`` 0; the load then finds what was not evicted meanwhile). A scheduler
+pins once per request it is about to load, so an honest one stays far below."""
+
+
 @dataclasses.dataclass
 class _Pin:
     """A lookup's pin: per namespace, the slots it holds, until loaded or ``deadline``."""
 
     deadline: float
+    owner: str
     parts: dict[NamespaceKey, list[int]]
     loads: dict[NamespaceKey, int]
     """Loads that still release a part before it ends (`CacheLookup.loads`)."""
@@ -143,6 +152,10 @@ class PrefixCache:
         resets its cache moves to a new fingerprint), so only that one is held for it."""
         self.pins: dict[int, _Pin] = {}
         self._pin_ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int]] = []
+        """A heap of (deadline, pin id): a sweep looks only at the pins whose lease ended."""
+        self._pins_of: collections.Counter[str] = collections.Counter()
+        """Live pins per owner (`MAX_PINS_PER_OWNER`)."""
         self.metrics = metrics(self.state)
 
     def state(self) -> CacheState:
@@ -163,22 +176,37 @@ class PrefixCache:
         self.namespaces.clear()
         self.current.clear()
         self.pins.clear()
+        self._deadlines.clear()
+        self._pins_of.clear()
 
     def sweep_pins(self, now: float) -> None:
-        """Release the pins whose lease ended (their engine never loaded them)."""
-        for pin_id in [p for p, pin in self.pins.items() if pin.deadline <= now]:
-            self.release_pin(pin_id)
+        """Release the pins whose lease ended (their engine never loaded them).
+
+        Costs the pins that ended (each pin's deadline is popped once), not the pins held.
+        """
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, pin_id = heapq.heappop(deadlines)
+            self.release_pin(pin_id)  # already released: nothing
 
     def pin(self, found: list[tuple[Namespace, list[bytes]]], pin_s: float, loads: int = 1) -> int:
-        """Pin each namespace's keys until ``loads`` loads or ``pin_s`` end it; return its id."""
+        """Pin each namespace's keys until ``loads`` loads or ``pin_s`` end it; return its id.
+
+        0: nothing pinned, the owner holds `MAX_PINS_PER_OWNER` pins already.
+        """
+        owner = found[0][0].key[0] if found else ""
+        if self._pins_of[owner] >= MAX_PINS_PER_OWNER:
+            return 0
         parts: dict[NamespaceKey, list[int]] = {}
         for ns, keys in found:
             slots = [s for s in ns.index.slots(keys) if s is not None]
             ns.index.pin(slots)
             parts[ns.key] = slots
         pin_id = next(self._pin_ids)
-        lease = min(pin_s, self.config.cache_pin_s)
-        self.pins[pin_id] = _Pin(time.monotonic() + lease, parts, dict.fromkeys(parts, loads))
+        deadline = time.monotonic() + min(pin_s, self.config.cache_pin_s)
+        self.pins[pin_id] = _Pin(deadline, owner, parts, dict.fromkeys(parts, loads))
+        heapq.heappush(self._deadlines, (deadline, pin_id))
+        self._pins_of[owner] += 1
         return pin_id
 
     def release_pin(self, pin_id: int, only: NamespaceKey | None = None) -> None:
@@ -196,6 +224,9 @@ class PrefixCache:
                 ns.index.unpin(slots)
         if not pin.parts:
             del self.pins[pin_id]
+            self._pins_of[pin.owner] -= 1
+            if not self._pins_of[pin.owner]:
+                del self._pins_of[pin.owner]
 
     def lookup_spaces(
         self, owner: str, fingerprint: str, tp_size: int, loads: int = 1
