@@ -20,7 +20,9 @@ pull locally from whom is decided before (`kvsidecar.daemon.limits.access`: the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,15 +135,26 @@ class LocalPlane(DataPlane):
         rows = plan.ranges.tolist()
         dests = plan.dest.tolist()
 
+        stop = threading.Event()
+
         def copy() -> int:
-            return _copy_ranges(sources, target.local_layers, rows, dests)
+            return _copy_ranges(sources, target.local_layers, rows, dests, stop)
 
         loop = asyncio.get_running_loop()
         job = self._executor.submit(copy, reads={}, writes={})
         try:
-            return await asyncio.wait_for(job, max(deadline - loop.time(), 0.001))
+            return await asyncio.wait_for(asyncio.shield(job), max(deadline - loop.time(), 0.001))
         except (TimeoutError, asyncio.TimeoutError):
+            # The copy stops at its next chunk; the read fails only once it has, so that nothing
+            # writes the destination after the pull reported its blocks invalid.
+            stop.set()
+            with contextlib.suppress(Exception):
+                await job
             raise PeerGone("local copy did not finish before the pull's deadline") from None
+
+
+_CHUNK = 4 << 20
+"""Bytes a local copy moves between two looks at its stop flag."""
 
 
 def _copy_ranges(
@@ -149,12 +162,20 @@ def _copy_ranges(
     targets: list[LayerBuffer],
     rows: list[list[int]],
     dests: list[list[int]],
+    stop: threading.Event,
 ) -> int:
-    """Copy ``(source layer, offset, length)`` rows to ``(target layer, offset)``; bytes moved."""
+    """Copy ``(source layer, offset, length)`` rows to ``(target layer, offset)``; bytes moved.
+
+    Stops (and raises `PeerGone`) at the first chunk after ``stop`` is set.
+    """
     src: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in sources]
     dst: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in targets]
     total = 0
     for (si, so, n), (di, do) in zip(rows, dests, strict=True):
-        np.copyto(dst[di][do : do + n], src[si][so : so + n])
+        for at in range(0, n, _CHUNK):
+            if stop.is_set():
+                raise PeerGone("local copy stopped at the pull's deadline")
+            size = min(_CHUNK, n - at)
+            np.copyto(dst[di][do + at : do + at + size], src[si][so + at : so + at + size])
         total += n
     return total

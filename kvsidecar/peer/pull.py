@@ -342,7 +342,13 @@ class PeerPull:
         reads = self._reads(source, request_id, plans)
         loop = asyncio.get_running_loop()
         try:
-            nbytes = sum(await asyncio.gather(*reads))
+            # Every read is waited for, also once one has failed: the failure is reported only
+            # when no read of this request writes any more (each ends by the deadline).
+            done = await asyncio.gather(*reads, return_exceptions=True)
+            failure = next((r for r in done if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise failure
+            nbytes = sum(r for r in done if isinstance(r, int))
             await _fix_layouts(
                 self.ctx.executor, self.ranks, plans, ids.local_ids, self.deadline - loop.time()
             )
@@ -484,5 +490,13 @@ async def _fix_layouts(
             return 0
 
         jobs.append(executor.submit(run, reads={}, writes={rank.buffers.key: lids}))
-    if jobs:
-        await asyncio.wait_for(asyncio.gather(*jobs), max(timeout, 0.001))
+    if not jobs:
+        return
+    _, late = await asyncio.wait(jobs, timeout=max(timeout, 0.001))
+    if late:
+        # A fix rewrites the destination in place: the pull fails only once none of them runs
+        # (or is still to run), so nothing writes the blocks after they were reported invalid.
+        await asyncio.wait(late)
+        raise TimeoutError("the layout fixes did not finish before the pull's deadline")
+    for job in jobs:
+        job.result()  # a fix that raised fails the pull
