@@ -12,6 +12,7 @@ which carries it over the socket, checks the reply against ``expected`` and appl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -352,7 +353,9 @@ class _Requests:
         )
         # The daemon bounds the pull itself; wait a little longer for its verdict.
         if timeout is None:
-            timeout = self._session.timeout_s + (timeout_s if timeout_s > 0 else 60.0)
+            # The daemon refuses a timeout that is not finite: wait for its answer, not forever.
+            pull_s = timeout_s if 0 < timeout_s < math.inf else 60.0
+            timeout = self._session.timeout_s + pull_s
         return _Call(req, Pulled, _reply, frames, timeout)
 
     def publish(

@@ -10,6 +10,7 @@ Precedence, lowest to highest: defaults, TOML file, environment, explicit overri
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -121,6 +122,7 @@ class Config:
 
     def __post_init__(self) -> None:
         self._fill_paths()
+        self._check_finite()
         self._check_core()
         self._check_peer_and_metrics()
         self._check_security_and_limits()
@@ -139,6 +141,13 @@ class Config:
         for name, path in (("endpoint", self.ipc_path), ("fd_socket", self.fd_socket)):
             if path is not None and len(path.encode()) > 100:
                 raise ConfigError(f"{name} path is too long for a Unix socket: {path!r}")
+
+    def _check_finite(self) -> None:
+        """Refuse an infinite or NaN number: as a time or size it would disable a bound."""
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if setting.type is float and not math.isfinite(value):
+                raise ConfigError(f"{setting.name} must be a finite number, not {value}")
 
     def _check_core(self) -> None:
         if self.host_pool_bytes < 0:

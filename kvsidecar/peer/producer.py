@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from kvsidecar.node.registry import Engine, Registry
 from kvsidecar.peer.messages import Claim, Notify, PeerError, ReadBlocks, Verdict
 from kvsidecar.peer.plan import I64
 from kvsidecar.peer.zmq_plane import serve_read
+from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok
 from kvsidecar.wire.pulls import Publish
@@ -91,7 +93,16 @@ class Producer:
         """Hold a request's blocks for remote readers until read or until the lease ends."""
         engine = self.registry.engine(req.engine_id)
         check_range(ids, _num_blocks(engine), "published")
-        lease = req.lease_s if req.lease_s > 0 else self.config.peer_lease_s
+        if not math.isfinite(req.lease_s):
+            raise SidecarError(
+                "invalid_message", f"lease_s must be a finite number, not {req.lease_s}"
+            )
+        # At most the daemon's lease: an unconsumed publish holds the producer's blocks in vLLM.
+        lease = (
+            min(req.lease_s, self.config.peer_lease_s)
+            if req.lease_s > 0
+            else self.config.peer_lease_s
+        )
         key = (req.engine_id, req.request_id)
         held = self._held.setdefault(key, _Held(deadline=0.0, published=True))
         if not held.published:  # notified before this publish: no longer an early entry

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -98,6 +99,10 @@ def check_pull(
     ):
         raise SidecarError("length_mismatch", "item id counts do not match the id frames")
     local, ranks = _local_ranks(engine, req, local_ids)
+    if not math.isfinite(req.timeout_s):
+        raise SidecarError(
+            "invalid_message", f"timeout_s must be a finite number, not {req.timeout_s}"
+        )
     timeout = req.timeout_s if req.timeout_s > 0 else ctx.config.peer_pull_timeout_s
     splits_r = np.cumsum([it.num_remote for it in req.items])[:-1]
     splits_l = np.cumsum([it.num_local for it in req.items])[:-1]
