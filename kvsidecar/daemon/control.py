@@ -97,8 +97,9 @@ NOBODY = Principal(frozenset(), admin=False, user="")
 BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
 """Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
 
-OPEN = (Hello, Status, Heartbeat)
-"""Requests anyone may send: no principal is looked up for them."""
+OPEN = (Hello, Heartbeat)
+"""Requests anyone may send: no principal is looked up for them (``status`` needs one: it
+describes the sender's own engines)."""
 
 ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 """Requests run as copy jobs, which answer through their `ReplyTo` themselves.

@@ -26,7 +26,7 @@ from kvsidecar.daemon.state import DaemonState, MoveTotals
 from kvsidecar.memory.host_pool import HostPool
 from kvsidecar.node.config import Config
 from kvsidecar.node.executor import CopyExecutor
-from kvsidecar.node.registry import Registry, check_epoch
+from kvsidecar.node.registry import Engine, Registry, check_epoch
 from kvsidecar.peer.service import PeerService
 from kvsidecar.wire.batch import MoveBatch
 from kvsidecar.wire.cache import CacheLoad, CacheLookup, CacheStore, TakeWorkerEvents
@@ -109,7 +109,7 @@ class Router:
                 check_version(req.protocol_version)
                 return self._registrations.hello(req), ()
             case Status():
-                return self.status(req), ()
+                return self.status(req, who), ()
             case Heartbeat():
                 return self._registrations.heartbeat(req), ()
             case HostAlloc():
@@ -170,13 +170,19 @@ class Router:
             self._observability.move_done(kind, req.engine_id, reply.nbytes, reply.seconds)
         return reply
 
-    def status(self, req: Status) -> StatusReply:
-        """Answer ``status``: the engines, the pool, the moves, the cache and the pulls."""
+    def status(self, req: Status, who: Principal) -> StatusReply:
+        """Answer ``status``: the engines, the pool, the moves, the cache and the pulls.
+
+        The engines and cache namespaces are the sender's user's own; an administrator sees all.
+        """
         now = time.monotonic()
         executor, pool, totals, peer = self._executor, self._pool, self._totals, self._peer
 
         def in_flight(ref: WorkerRef) -> int:
             return executor.in_flight_for(ref)
+
+        def visible(engine: Engine) -> bool:
+            return who.admin or engine.owner == who.user
 
         return StatusReply(
             id=req.id,
@@ -184,7 +190,7 @@ class Router:
             protocol_version=PROTOCOL_VERSION,
             uptime_s=now - self._started_at,
             endpoint=self._config.endpoint,
-            engines=self._registry.engine_infos(now, in_flight),
+            engines=self._registry.engine_infos(now, in_flight, visible),
             host_pool_bytes=0 if pool is None else pool.capacity_bytes,
             host_pool_used_bytes=0 if pool is None else pool.used_bytes,
             in_flight_moves=executor.in_flight,
@@ -194,7 +200,7 @@ class Router:
             errors_total=self._control.errors_total,
             draining=self._state.draining,
             metrics_port=self._observability.port,
-            cache_namespaces=self._cache.namespaces(),
+            cache_namespaces=self._cache.namespaces(None if who.admin else who.user),
             pulls_total=peer.pulls_total,
             pulls_failed_total=peer.pulls_failed_total,
             bytes_pulled_total=peer.bytes_pulled_total,

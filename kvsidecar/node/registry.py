@@ -267,10 +267,17 @@ class Registry:
                 del self.engines[ref.engine_id]
         return worker
 
-    def engine_infos(self, now: float, in_flight: Callable[[WorkerRef], int]) -> list[EngineInfo]:
-        """Status view of every engine."""
+    def engine_infos(
+        self,
+        now: float,
+        in_flight: Callable[[WorkerRef], int],
+        visible: Callable[[Engine], bool] = lambda engine: True,
+    ) -> list[EngineInfo]:
+        """Status view of every engine ``visible`` lets through."""
         out = []
         for engine in self.engines.values():
+            if not visible(engine):
+                continue
             workers = []
             for w in engine.workers.values():
                 layers = [

@@ -39,6 +39,8 @@ from kvsidecar.wire.protocol import (
     Registered,
     Report,
     Request,
+    Status,
+    StatusReply,
     Unregister,
 )
 from kvsidecar.wire.pulls import Publish, Pull, PullItem, TakePeerEvents
@@ -406,3 +408,25 @@ def test_expired_and_forgotten_requests_stay_closed(scene: Scene, peer: PeerSock
     for request_id in ("old", "filler-4199"):
         out = peer.read(request_id, [_block(3 if request_id == "old" else 4)])
         assert isinstance(out, PeerError) and out.code == "expired", (request_id, out)
+
+
+def test_status_describes_the_senders_own_engines_and_an_administrator_sees_all(
+    scene: Scene,
+) -> None:
+    """Another uid's ``status`` names its own engines only (not "decode", root's); root's worker
+    connection sees root's; a connection of the daemon's own uid that registered nothing (the
+    operator's ``kvsidecar status``) sees every engine."""
+    out = scene.intruder.send(Status(id=_rid()))
+    assert out["type"] == "status_reply", out
+    seen = {e["engine_id"] for e in out["reply"]["engines"]}
+    assert "evil" in seen and "decode" not in seen, seen  # its own (this module made several)
+    assert "decode" not in json.dumps(out["reply"])
+    mine = scene.call(Status(id=_rid()))
+    assert isinstance(mine, StatusReply)
+    assert "evil" not in {e.engine_id for e in mine.engines} and "decode" in {
+        e.engine_id for e in mine.engines
+    }
+    with Raw(scene.daemon.config.endpoint) as admin:
+        every = admin.call(Status(id=_rid()))
+    assert isinstance(every, StatusReply)
+    assert {"evil", "decode"} <= {e.engine_id for e in every.engines}

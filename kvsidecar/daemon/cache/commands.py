@@ -88,8 +88,8 @@ class CacheCommands:
         self._runner = runner
         self._ids = moves.ids
 
-    def namespaces(self) -> list[CacheNamespaceInfo]:
-        """Describe the cache's namespaces as ``status`` reports them."""
+    def namespaces(self, owner: str | None = None) -> list[CacheNamespaceInfo]:
+        """Describe the cache's namespaces (``owner``'s, or all) as ``status`` reports them."""
         return [
             CacheNamespaceInfo(
                 owner=ns.key[0],
@@ -105,6 +105,7 @@ class CacheCommands:
                 workers=len(ns.workers),
             )
             for ns in self._cache.namespaces.values()
+            if owner is None or ns.key[0] == owner
         ]
 
     def _keys_and_ids(
