@@ -121,11 +121,11 @@ class Moves:
         pair = plain_pair(self._registry, src, dst, req.layers)
         if pair is None or pair.cpu_groups is None:  # `plain_pair` has groups; for the typing
             return False
+        if pair.block_bytes * src_ids.size > INLINE_MAX_BYTES:  # before the ids are looked at
+            return False
         src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
         blocks = (pair.src_blocks, pair.dst_blocks)
         if not fine_small(src_list, dst_list, ratio=1, blocks=blocks, same_set=src is dst):
-            return False
-        if pair.block_bytes * len(src_list) > INLINE_MAX_BYTES:
             return False
         if not self._executor.free(reads={src.key: src_ids}, writes={dst.key: dst_ids}):
             return False

@@ -107,11 +107,6 @@ class Daemon:
         """This daemon's identity, minted at startup: hello replies and peer handshakes carry it."""
 
     @property
-    def draining(self) -> bool:
-        """True from the start of shutdown."""
-        return self.state.draining
-
-    @property
     def zap(self) -> ZapHandler | None:
         """The control socket's ZAP handler (None when not bound)."""
         return None if self.control is None else self.control.zap
