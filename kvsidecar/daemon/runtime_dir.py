@@ -14,13 +14,19 @@ import stat
 from pathlib import Path
 
 
-def private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) or check that an existing one is ours and private.
+def claim_runtime_dir(path: Path) -> int:
+    """Create ``path`` (mode 0700) or take an existing one that is ours; hold its lock.
+
+    Returns the descriptor of ``<path>/daemon.lock``, ``flock``-ed for the daemon's life (the
+    kernel drops the lock when its holder dies, SIGKILL included, so a stale lock file never
+    blocks a restart). A start refused here changes nothing: the lock is taken before the
+    directory is re-moded, so a second daemon on a live one's directory leaves its mode (which
+    its operator may have opened up for another allowed uid), its sockets and its files alone.
 
     Never through a symbolic link: the default ``/tmp/kvsidecar-<uid>`` lives in a directory
     where anyone may plant one, and following it would make the daemon re-mode (and bind its
-    sockets in) whatever it points to. The checks run on a descriptor opened with
-    ``O_NOFOLLOW``, so what is checked is what is re-moded.
+    sockets in) whatever it points to. The checks, the lock and the re-mode all go through one
+    descriptor opened with ``O_NOFOLLOW``, so what is checked is what is locked and re-moded.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
@@ -41,25 +47,26 @@ def private_dir(path: Path) -> None:
                 f"shared directory such as an emptyDir, set runtime_dir to a subdirectory, e.g. "
                 f"{path}/daemon)"
             )
+        lock = _lock(fd, path)
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o700)
+        return lock
     finally:
         os.close(fd)
 
 
-def lock_runtime_dir(runtime_dir: str) -> int:
-    """Hold ``<runtime_dir>/daemon.lock`` for the daemon's life; refuse if another daemon does.
-
-    The kernel drops the lock when its holder dies (SIGKILL included), so a stale lock file
-    never blocks a restart; while the lock is held, nothing here touches the sockets.
-    """
-    path = os.path.join(runtime_dir, "daemon.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _lock(dir_fd: int, path: Path) -> int:
+    """Open and ``flock`` ``daemon.lock`` in the directory ``dir_fd``; refuse if it is held."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open("daemon.lock", flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        raise SystemExit(f"kvsidecar: cannot open {path}/daemon.lock: {exc.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise SystemExit(f"kvsidecar: a daemon already serves {runtime_dir}") from None
+        raise SystemExit(f"kvsidecar: a daemon already serves {path}") from None
     return fd
 
 

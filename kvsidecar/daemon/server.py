@@ -43,7 +43,7 @@ from kvsidecar.daemon.metrics.state import StateSnapshot
 from kvsidecar.daemon.moves import Moves
 from kvsidecar.daemon.registration import Registrations
 from kvsidecar.daemon.runner import JobRunner
-from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
+from kvsidecar.daemon.runtime_dir import claim_runtime_dir, refuse_if_running
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.daemon.state import DaemonState, MoveTotals
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
@@ -77,7 +77,7 @@ class Daemon:
         self.force_exit = False
         self._exit = asyncio.Event()
         self._lock_fd: int | None = None
-        """The runtime directory's lock (`lock_runtime_dir`), held while serving."""
+        """The runtime directory's lock (`claim_runtime_dir`), held while serving."""
         self._notifier = Notifier.from_env()
         self._background: list[asyncio.Task[Any]] = []
         self.completions = CompletionService()
@@ -156,8 +156,7 @@ class Daemon:
         """Create the runtime dir, allocate the pool, bind the sockets, build the handlers."""
         cfg = self.config
         check_cuda(cfg.require_cuda)  # before anything is bound or allocated: fail fast
-        private_dir(Path(cfg.runtime_dir))
-        self._lock_fd = lock_runtime_dir(cfg.runtime_dir)
+        self._lock_fd = claim_runtime_dir(Path(cfg.runtime_dir))
         refuse_if_running(cfg.fd_socket, cfg.ipc_path)
         if cfg.ipc_path is not None:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
