@@ -49,7 +49,6 @@ from kvsidecar.wire.protocol import (
     Envelope,
     Error,
     FixLayout,
-    Heartbeat,
     Hello,
     HostAlloc,
     HostFree,
@@ -92,14 +91,14 @@ Route = Callable[[Request, list[memoryview], "ReplyTo", Principal], Dispatched]
 """Who answers a checked request (`kvsidecar.daemon.dispatch.Router.dispatch`)."""
 
 NOBODY = Principal(frozenset(), admin=False, user="")
-"""The principal handed on with requests that need no rights (hello, status, heartbeat)."""
+"""The principal handed on with requests that need no rights and tell nothing (hello)."""
 
 BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
 """Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
 
-OPEN = (Hello, Heartbeat)
-"""Requests anyone may send: no principal is looked up for them (``status`` needs one: it
-describes the sender's own engines)."""
+OPEN = (Hello,)
+"""Requests anyone may send and that tell nothing of any engine: no principal is looked up for
+them (``status`` and ``heartbeat`` need one: they answer about the sender's own engines)."""
 
 ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 """Requests run as copy jobs, which answer through their `ReplyTo` themselves.
@@ -380,7 +379,7 @@ class ControlSocket:
                 # Refused before it runs: a collect or take_peer_events must not consume what
                 # its reply would then have to drop.
                 raise SidecarError("busy", _no_room(0, self._reply_budget.limit))
-            who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
+            who = NOBODY  # hello needs no rights: no principal looked up
             if not isinstance(request, OPEN):
                 who = self._principal(ident, body[0])
                 authorize(self._access, who, request)  # forbidden before anything is done

@@ -63,7 +63,11 @@ def main() -> None:
                 host_blocks=cmd.get("host_blocks", 0),
             )
             channels.append(conn)  # open for the worker's life: its closing releases it
-            out = {"type": type(reply).__struct_config__.tag, "code": getattr(reply, "code", "")}
+            out = {
+                "type": type(reply).__struct_config__.tag,
+                "code": getattr(reply, "code", ""),
+                "message": getattr(reply, "message", ""),
+            }
         elif cmd["op"] == "send":
             frames = [bytes.fromhex(f) for f in cmd.get("frames", [])]
             header = bytes.fromhex(cmd["header"])
