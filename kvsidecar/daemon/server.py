@@ -88,8 +88,10 @@ class Daemon:
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
         self.access = AccessControl(lookup=self.registry.engines.get)
         """Connection -> engine bindings and sharing grants."""
-        self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
-        self.reply_budget = ReplyBudget(config.max_reply_bytes)
+        self.admission = Admission(
+            config.max_moves_per_worker, config.max_moves_total, users=config.users
+        )
+        self.reply_budget = ReplyBudget(config.max_reply_bytes, users=config.users)
         """Bytes of large replies waiting for their readers (`kvsidecar.node.replies`)."""
         # Made by `startup`, in this order; None before it and after `shutdown`.
         self.pool: HostPool | None = None

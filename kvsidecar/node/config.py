@@ -232,6 +232,16 @@ class Config:
         return frozenset(int(p) for p in parts) if parts else frozenset({os.geteuid()})
 
     @property
+    def users(self) -> int:
+        """How many users share the daemon's totals: the allowed uids.
+
+        Each user's connections, unclaimed fds, moves in flight, large replies, host-pool bytes
+        and cache namespaces are bounded by an equal share of the daemon's total, all its
+        processes and engines together, so that no user can take the room another needs.
+        """
+        return len(self.uids)
+
+    @property
     def fd_limits(self) -> FdLimits:
         """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
         return FdLimits(
@@ -239,6 +249,8 @@ class Config:
             max_connections_per_peer=self.max_connections_per_peer,
             max_unclaimed_fds=self.fd_max_unclaimed,
             max_unclaimed_fds_per_peer=max(1, self.fd_max_unclaimed // 4),
+            max_connections_per_user=max(1, self.max_connections // self.users),
+            max_unclaimed_fds_per_user=max(1, self.fd_max_unclaimed // self.users),
             unclaimed_s=self.fd_unclaimed_s,
             idle_s=self.fd_unclaimed_s / 3,
         )
