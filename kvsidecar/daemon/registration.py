@@ -337,12 +337,13 @@ class Registrations:
                 "pool_exhausted",
                 f"a host mirror of {need} bytes is larger than the pool ({pool.capacity_bytes})",
             )
-        quota = self._config.host_pool_user_bytes
-        if quota and pool.used_by(user) + need > quota:
+        quota = self._config.user_pool_bytes
+        if pool.used_by(user) + need > quota:
             raise SidecarError(
                 "pool_exhausted",
-                f"{user} holds {pool.used_by(user)} host-pool bytes; {need} more would pass its "
-                f"quota of {quota} (host_pool_user_bytes)",
+                f"{user} holds {pool.used_by(user)} host-pool bytes (host mirrors and cache "
+                f"namespaces); {need} more would pass its quota of {quota} (host_pool_user_bytes"
+                ", or the pool's share per allowed uid)",
             )
         return need
 

@@ -242,6 +242,23 @@ class Config:
         return len(self.uids)
 
     @property
+    def user_pool_bytes(self) -> int:
+        """Host-pool bytes one user's host mirrors and cache namespaces may hold together.
+
+        ``host_pool_user_bytes``, or when it is 0 an equal share of the pool per allowed uid
+        (the whole pool when only one is allowed).
+        """
+        return self.host_pool_user_bytes or self.host_pool_bytes // self.users
+
+    @property
+    def user_cache_bytes(self) -> int:
+        """Bytes of ``cache_bytes`` one user's namespaces may hold.
+
+        An equal share per allowed uid (all of it when only one is allowed).
+        """
+        return self.cache_bytes // self.users
+
+    @property
     def fd_limits(self) -> FdLimits:
         """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
         return FdLimits(
