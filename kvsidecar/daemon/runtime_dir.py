@@ -13,6 +13,8 @@ import socket
 import stat
 from pathlib import Path
 
+from kvsidecar.memory.host_pool import HostPool
+
 
 def claim_runtime_dir(path: Path) -> int:
     """Create ``path`` (mode 0700) or take an existing one that is ours; hold its lock.
@@ -28,9 +30,12 @@ def claim_runtime_dir(path: Path) -> int:
     sockets in) whatever it points to. The checks, the lock and the re-mode all go through one
     descriptor opened with ``O_NOFOLLOW``, so what is checked is what is locked and re-moded.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    except OSError as exc:
+        raise SystemExit(f"kvsidecar: cannot create runtime_dir {path}: {exc.strerror}") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR: something else
@@ -88,3 +93,39 @@ def refuse_if_running(*paths: str | None) -> None:
         finally:
             probe.close()
         raise SystemExit(f"kvsidecar: a daemon already listens on {path}")
+
+
+def make_parent(path: str, setting: str) -> None:
+    """Create the directory of a socket at ``path`` (``setting`` names it); one line if it fails."""
+    try:
+        Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(
+            f"kvsidecar: cannot create the directory of {setting} {path}: {exc.strerror}"
+        ) from None
+
+
+def allocate_pool(nbytes: int) -> HostPool | None:
+    """Allocate and touch the host pool of ``nbytes`` (None for 0); one line if it cannot be.
+
+    Allocated and touched up front: a page's first touch costs more than a copy into it. A pool
+    larger than the node's memory is refused before it is tried (the kernel would kill the
+    daemon while it touches the pages, not refuse the allocation).
+    """
+    if nbytes <= 0:
+        return None
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 0
+    if memory and nbytes > memory:
+        raise SystemExit(
+            f"kvsidecar: host_pool_bytes {nbytes} is more than this node's memory ({memory} bytes)"
+        )
+    try:
+        return HostPool(nbytes)
+    except (MemoryError, RuntimeError) as exc:  # torch's allocator raises RuntimeError
+        raise SystemExit(
+            f"kvsidecar: cannot allocate the host pool of {nbytes} bytes: "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from None

@@ -43,7 +43,12 @@ from kvsidecar.daemon.metrics.state import StateSnapshot
 from kvsidecar.daemon.moves import Moves
 from kvsidecar.daemon.registration import Registrations
 from kvsidecar.daemon.runner import JobRunner
-from kvsidecar.daemon.runtime_dir import claim_runtime_dir, refuse_if_running
+from kvsidecar.daemon.runtime_dir import (
+    allocate_pool,
+    claim_runtime_dir,
+    make_parent,
+    refuse_if_running,
+)
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.daemon.state import DaemonState, MoveTotals
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
@@ -162,10 +167,9 @@ class Daemon:
         refuse_if_running(cfg.fd_socket, cfg.ipc_path)
         if cfg.ipc_path is not None:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
-            Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if cfg.host_pool_bytes > 0:
-            # Allocated and touched up front: a page's first touch costs more than a copy into it.
-            self.pool = HostPool(cfg.host_pool_bytes)
+            make_parent(cfg.ipc_path, "endpoint")
+        make_parent(cfg.fd_socket, "fd_socket")
+        self.pool = allocate_pool(cfg.host_pool_bytes)
         executor = self.executor = CopyExecutor(cfg.copy_threads)
         # Use the descriptors we may: a flood must not meet a low soft limit.
         before, after = raise_fd_limit()
@@ -337,7 +341,8 @@ class Daemon:
         self.completions.close()
         await self.observability.close()
         self._notifier.close()
-        log.info("kvsidecar stopped")
+        if self.started.is_set():  # a start refused has said why, and nothing more
+            log.info("kvsidecar stopped")
 
     def _on_fd_close(self, conn: FdConnection) -> None:
         if self.registrations is not None:

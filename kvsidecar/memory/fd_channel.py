@@ -159,6 +159,11 @@ class FdChannelServer:
             sock.bind(os.fspath(self.path))
             os.chmod(self.path, self._mode)
             sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            raise SystemExit(
+                f"kvsidecar: cannot bind the fd channel {self.path}: {exc.strerror}"
+            ) from None
         except BaseException:
             sock.close()
             raise
