@@ -27,13 +27,25 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {
             "dest": setting.name,
             "default": None,
-            "help": f"{setting.help} [env {setting.env_var}; default {_show(setting)}]",
+            "help": (
+                f"{setting.help} [env {setting.env_var}; default {_show(setting)}{_range(setting)}]"
+            ),
         }
         if setting.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:  # parsed and checked by `Config`, as from the environment and the file
             kwargs["metavar"] = setting.type.__name__.upper()
         group.add_argument(setting.flag, **kwargs)
+
+
+def _range(setting: Setting) -> str:
+    if setting.low is None or setting.high is None:
+        return ""
+    return f"; {_plain(setting.low)} to {_plain(setting.high)}"
+
+
+def _plain(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _show(setting: Setting) -> str:
