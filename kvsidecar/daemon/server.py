@@ -368,6 +368,7 @@ class Daemon:
             events[("peer", "replies_dropped")] = peer.replies_dropped_total
             events[("peer", "unreadable")] = peer.unreadable_total
             events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
+            events[("peer", "publishes_refused")] = peer.producer.publishes_refused_total
         if http is not None:
             events[("metrics", "evicted")] = http.evicted_total
         connections = None if self.control is None else self.control.connections

@@ -26,6 +26,7 @@ import pytest
 import zmq
 
 from kvsidecar.peer.messages import PeerError, PeerReply, ReadBlocks, ReadData
+from kvsidecar.peer.producer import MAX_PUBLISHED_PER_OWNER
 from kvsidecar.wire.curve import load_keypair
 from kvsidecar.wire.protocol import (
     Collect,
@@ -487,3 +488,14 @@ def test_refusals_do_not_name_another_users_engines_owner(scene: Scene) -> None:
     for out in outs:
         assert out["type"] == "error", out
         assert f"uid:{os.geteuid()}" not in json.dumps(out), out
+
+
+def test_one_users_unread_publishes_are_bounded_and_leave_others_theirs(scene: Scene) -> None:
+    """``nobody`` publishes more requests than one user may hold unread: the ones past the
+    bound are refused ``busy`` (its engine would free their blocks), and root's engine still
+    publishes."""
+    out = scene.intruder.ask(
+        op="publish_many", engine="evil", count=MAX_PUBLISHED_PER_OWNER + 50, blocks=[1, 2]
+    )
+    assert out["counts"] == {"ok": MAX_PUBLISHED_PER_OWNER, "busy": 50}, out
+    _publish(scene, "root-still-publishes", [3])
