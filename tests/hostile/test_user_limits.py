@@ -17,10 +17,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvsidecar.node.config import Config
-from kvsidecar.wire.protocol import Move, Moved, Status, StatusReply
+from kvsidecar.wire.protocol import Error, Move, Moved, Status, StatusReply
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
 from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
@@ -65,6 +66,7 @@ def _config() -> Config:
         max_connections_per_peer=PER_PROCESS,
         max_moves_total=TOTAL,
         max_moves_per_worker=PER_PROCESS,
+        max_reply_bytes=1 << 20,
         fd_unclaimed_s=60.0,  # idle fd connections stay for the test's length
         lease_s=60.0,
         host_pool_bytes=8 << 20,
@@ -159,3 +161,32 @@ def test_forked_processes_share_their_users_moves_in_flight(daemon: DaemonProces
             forker.stop()
         root.close()
         os.close(memory)
+
+
+def _engine_id_answered_in(nbytes: int) -> int:
+    """The length of an engine id whose ``unknown_engine`` error is ``nbytes`` long: so many of
+    them fill a reply budget of a multiple of ``nbytes`` to the byte."""
+    for length in range(nbytes - 100, nbytes):
+        message = f"no engine {'x' * length!r} is registered"
+        reply = Error(id=9, code="unknown_engine", message=message)
+        if len(msgspec.msgpack.encode(reply)) == nbytes:
+            return length
+    raise AssertionError(f"no engine id gives an error of {nbytes} bytes")
+
+
+def test_forked_processes_that_never_read_take_only_their_users_share_of_reply_room(
+    daemon: DaemonProcess,
+) -> None:
+    """Eight processes of ``nobody`` each ask for 200 replies of 64 KiB and never read them:
+    they fill ``nobody``'s share of ``max_reply_bytes`` (1 MiB here), exactly, not root's, whose
+    ``status`` (refused ``busy`` while no room is left) is answered."""
+    forker = Forker(daemon.config)
+    try:
+        sent = forker.ask(op="unread", count=200, size=_engine_id_answered_in(1 << 16))
+        assert sent["sent"] == CHILDREN * 200, sent
+        time.sleep(2.0)  # the daemon has read and answered them: its replies wait, unread
+        with Raw(daemon.config.endpoint) as root:
+            outs = [root.call(Status(id=10 + i), timeout=10) for i in range(5)]
+        assert all(isinstance(out, StatusReply) for out in outs), outs
+    finally:
+        forker.stop()

@@ -14,6 +14,9 @@ the answer is one JSON line with the children's answers summed (and ``each``, pe
   over a sealed memfd and keep ``d`` moves of half of them in flight until ``stop``; answered
   ``started`` once every child registered (``registered``: how many did);
 - ``{"op": "stop"}``: end the flood; ``moved``, ``busy``, ``other``: its replies;
+- ``{"op": "unread", "count": n, "size": b}``: on a DEALER of its own that never reads (a receive
+  queue of one message), send ``n`` moves naming an engine id of ``b`` characters, each answered
+  with an error that long; answered ``sent``;
 - ``exit``.
 
 Nothing of the project's client runs here: raw pyzmq and raw SCM_RIGHTS (`tests.support.raw`).
@@ -50,6 +53,7 @@ class Child:
         self.ctx = zmq.Context()
         self.dealers: list[zmq.Socket[bytes]] = []
         self.fds: list[socket.socket] = []
+        self.silent: list[zmq.Socket[bytes]] = []
         self.flood: Flood | None = None
 
     def connect(self, zmq_n: int, fd_n: int) -> dict[str, Any]:
@@ -100,6 +104,22 @@ class Child:
             except OSError:
                 pass
         return {"served": served, "fd_open": fd_open}
+
+    def unread(self, count: int, size: int) -> dict[str, Any]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(self.spec["endpoint"])
+        self.silent.append(sock)  # kept open, never read, until exit
+        ref = BufferSetRef(WorkerRef("x" * size))
+        frames = [ENCODE.encode(Move(id=9, src=ref, dst=ref)), ids(1), ids(2)]
+        sent = 0
+        for _ in range(count):
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                sent += 1
+        return {"sent": sent}
 
     def start_flood(self, depth: int, blocks: int) -> dict[str, Any]:
         self.flood = Flood(self.spec, f"forked-{self.index}", depth, blocks)
@@ -172,11 +192,13 @@ def _child(spec: dict[str, Any], index: int, commands: int, answers: int) -> Non
                 out = child.start_flood(cmd["depth"], cmd["blocks"])
             elif cmd["op"] == "stop":
                 out = child.stop_flood()
+            elif cmd["op"] == "unread":
+                out = child.unread(cmd["count"], cmd["size"])
             else:
                 break
             cout.write(json.dumps(out) + "\n")
             cout.flush()
-    for sock in child.dealers:
+    for sock in child.dealers + child.silent:
         sock.close(0)
     for s in child.fds:
         s.close()

@@ -400,9 +400,10 @@ class PrefixCache:
     def _make_room(self, need: int, owner: str) -> None:
         """Drop idle namespaces, least recently used first, so that ``need`` bytes fit.
 
-        First ``owner``'s own, until its share of ``cache_bytes`` and its count of namespaces
-        leave room for one more; then anyone's, until ``cache_bytes`` has ``need`` free. A
-        namespace in use (a copy, a pin or a registered worker) is never dropped here.
+        First ``owner``'s own, until its share of ``cache_bytes``, its host-pool quota and its
+        count of namespaces leave room for one more; then anyone's, until ``cache_bytes`` has
+        ``need`` free. A namespace in use (a copy, a pin or a registered worker) is never
+        dropped here.
         """
         registered = self.registry.workers
         for ref in [r for r in self.current if r not in registered]:
@@ -417,12 +418,8 @@ class PrefixCache:
             ),
             key=lambda ns: ns.last_used,
         )
-        cap = self.config.user_cache_bytes
         for ns in [n for n in idle if n.key[0] == owner]:
-            owned = self._owned(owner)
-            if len(owned) < MAX_NAMESPACES_PER_OWNER and (
-                sum(n.capacity_bytes for n in owned) + need <= cap
-            ):
+            if self._owner_has_room(owner, need):
                 break
             self._drop(ns)
         if len(self._owned(owner)) >= MAX_NAMESPACES_PER_OWNER:
@@ -435,6 +432,15 @@ class PrefixCache:
                 return
             if ns.key in self.namespaces:
                 self._drop(ns)
+
+    def _owner_has_room(self, owner: str, need: int) -> bool:
+        assert self.pool is not None
+        owned = self._owned(owner)
+        return (
+            len(owned) < MAX_NAMESPACES_PER_OWNER
+            and sum(n.capacity_bytes for n in owned) + need <= self.config.user_cache_bytes
+            and self.pool.used_by(owner) + need <= self.config.user_pool_bytes
+        )
 
     def _drop(self, ns: Namespace) -> None:
         del self.namespaces[ns.key]
