@@ -79,6 +79,10 @@ lookup: the keys; cache store and load: (keys, ids)."""
 _Frames = list[zmq.Frame]
 _BURST = 64
 """Requests served per reader callback before yielding to the loop (bounded work per turn)."""
+_BURST_S = 0.005
+"""...and seconds: a burst of requests that each cost milliseconds (stores of thousands of keys)
+yields after this long, so that one client's heavy requests, answered one by one as fast as it
+sends them, cannot hold the other callbacks (``/healthz``, the fd channel, timers) off."""
 
 Dispatched = (
     tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply] | None
@@ -298,6 +302,7 @@ class ControlSocket:
         self._read_scheduled = False
         lock = self._lock
         settle = self._executor.settle_finished
+        until = time.perf_counter() + _BURST_S
         for _ in range(_BURST):
             with lock:
                 sock = self._sock
@@ -312,6 +317,8 @@ class ControlSocket:
                 log.exception("unhandled error on a request")
             if self._drained:
                 return
+            if time.perf_counter() > until:
+                break
         self._schedule_read()
 
     def send(
