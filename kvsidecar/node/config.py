@@ -18,7 +18,11 @@ from typing import Any
 
 from kvsidecar.memory.fd_limits import FdLimits
 from kvsidecar.node.settings import SETTINGS, Setting
-from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
+from kvsidecar.wire.endpoints import (
+    canonical_peer_endpoint,
+    control_endpoint,
+    default_runtime_dir,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -98,6 +102,10 @@ class Config:
     peer_streams: int = 2
     peer_nixl_wakeup_ms: int = 1
     peer_keep_freed_memory: bool = True
+    peers: str = ""
+    peer_max_links: int = 64
+    peer_link_idle_s: float = 300.0
+    peer_nixl_trusted: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     metrics_grace_s: float = 30.0
@@ -184,6 +192,20 @@ class Config:
             raise ConfigError("peer_streams must be 1..64")
         if not 0 <= self.peer_nixl_wakeup_ms <= 60_000:
             raise ConfigError("peer_nixl_wakeup_ms must be 0..60000")
+        if self.peer_data_plane == "nixl" and not self.peer_nixl_trusted:
+            raise ConfigError(
+                "peer_data_plane=nixl needs peer_nixl_trusted: NIXL lets a peer read any of "
+                "this daemon's memory (docs/reliability.md)"
+            )
+        for peer in self.peer_list:
+            try:
+                canonical_peer_endpoint(peer)
+            except ValueError as exc:
+                raise ConfigError(f"peers: {peer[:80]!r}: {exc}") from None
+        if not 1 <= self.peer_max_links <= 1024:
+            raise ConfigError("peer_max_links must be 1..1024")
+        if not self.peer_link_idle_s > 0:
+            raise ConfigError("peer_link_idle_s must be > 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(
                 f"metrics_port must be -1 (off), 0 (any free) or a port, not {self.metrics_port}"
@@ -242,6 +264,11 @@ class Config:
             unclaimed_s=self.fd_unclaimed_s,
             idle_s=self.fd_unclaimed_s / 3,
         )
+
+    @property
+    def peer_list(self) -> tuple[str, ...]:
+        """The ``peers`` setting as a tuple of endpoints, as written (empty entries dropped)."""
+        return tuple(p.strip() for p in self.peers.split(",") if p.strip())
 
     @property
     def ipc_path(self) -> str | None:
