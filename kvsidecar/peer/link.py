@@ -264,6 +264,10 @@ class PeerLink:
                 self._connected = False
                 self.lost = True
                 self.fail_all(PeerGone(f"connection to {self.endpoint} lost"))
+                # A lost link is never used again (the next pull connects afresh): no
+                # reconnecting to a dead peer every 100 ms until the link is closed.
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disconnect(self.endpoint)
 
     def fail_all(self, exc: Exception) -> None:
         """Fail every request in flight on this link with ``exc``."""

@@ -239,6 +239,9 @@ class DataStream:
             lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
         if lost:
             self.broken = True
+            # Never used again: no reconnecting to a dead peer until the stream is closed.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disconnect(self.endpoint)
         return lost
 
     def _receive(self, sent: dict[int, Chunk]) -> None:

@@ -24,7 +24,8 @@ one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
   ``remote_engine``) in another spelling: a source address before a ``;`` (libzmq connects from
   it), another address of the loopback net (``127.a.b.c``, which reaches a daemon bound to
   ``0.0.0.0``), host names in other cases, ports with leading zeros, and endpoints where nothing
-  listens. Counts the replies by outcome.
+  listens. Prints ``flooded`` once ``count`` pulls are sent and answered; counts the replies by
+  outcome.
 - ``nixl_read``: a hostile peer daemon: holding the cluster key (``key``), it greets the producer's
   peer endpoint asking for NIXL and no request at all, and, if the welcome carries NIXL metadata,
   READs the first layer of ``engine``'s first rank whole (published or not) with a NIXL agent of
@@ -34,6 +35,7 @@ one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import mmap
 import os
@@ -305,7 +307,9 @@ def http_idle(spec: dict[str, Any], _ctx: zmq.Context[Any]) -> dict[str, Any]:
     return {"opened": opened, "closed_by_server": closed_by_server}
 
 
-def _raw_register(sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes) -> Any:
+def _raw_register(
+    sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes, *, host: bool = True
+) -> Any:
     blocks = nbytes // 4096
     desc = BufferDescriptor("kv_first", "NHD", "float16", blocks, 16, 8, 8)  # 2 x 2 KiB a block
     handle = ShmRef(fd_index=0, storage_nbytes=nbytes, offset=0, nbytes=nbytes)
@@ -314,7 +318,7 @@ def _raw_register(sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes)
         protocol_version=PROTOCOL_VERSION,
         worker=WorkerRef(engine),
         layers=[LayerSpec("l0", desc, handle)],
-        host_blocks=blocks,
+        host_blocks=blocks if host else 0,
         fd_token=token,
     )
     sock.send(ENC.encode(reg))
@@ -384,8 +388,9 @@ _BEATS = 1 << 40
 
 def endpoint_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
     nbytes = 64 * 4096
-    memfd = os.memfd_create("flooder")
+    memfd = os.memfd_create("flooder", os.MFD_ALLOW_SEALING)
     os.ftruncate(memfd, nbytes)
+    fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     fd_sock = _connect_unix(spec["fd_socket"])
     assert fd_sock is not None
     token = os.urandom(16)
@@ -394,12 +399,13 @@ def endpoint_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(spec["endpoint"])
-    registered = _raw_register(sock, engine, nbytes, token)
+    registered = _raw_register(sock, engine, nbytes, token, host=False)
     print("ready", flush=True)
     worker = WorkerRef(engine)
     ids = np.array([0], dtype=np.int64).tobytes()
     outcomes: dict[str, int] = {}
-    sent = pending = beat = 0
+    sent = pending = beat = answered = 0
+    count = spec.get("count", 1 << 30)
     last_beat = time.monotonic()
     deadline = time.monotonic() + spec.get("seconds", 3600)
     while time.monotonic() < deadline and not _stop_requested():
@@ -408,7 +414,7 @@ def endpoint_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any
             beat += 1
             sock.send(ENC.encode(Heartbeat(id=_BEATS + beat, workers=[worker])))
             pending += 1
-        while pending < spec.get("inflight", 32) and sent < spec.get("count", 1 << 30):
+        while pending < spec.get("inflight", 32) and sent < count:
             pull = Pull(
                 id=sent + 1,
                 engine_id=engine,
@@ -432,6 +438,9 @@ def endpoint_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any
                 else:
                     key = reply.get("code") or reply.get("type", "?")
                 outcomes[key] = outcomes.get(key, 0) + 1
+                answered += 1
+                if answered == count:
+                    print("flooded", flush=True)
     fd_sock.close()
     return {"registered": registered, "sent": sent, "outcomes": outcomes}
 
