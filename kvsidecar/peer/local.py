@@ -194,9 +194,7 @@ def _copy_ranges(
                             raise PeerGone("local copy stopped at the pull's deadline")
                         since = 0
                     size = min(_CHUNK, n - at)
-                    np.copyto(
-                        dst[di][do + at : do + at + size], src[si][so + at : so + at + size]
-                    )
+                    np.copyto(dst[di][do + at : do + at + size], src[si][so + at : so + at + size])
                     since += size
                     total += size
     return total
@@ -209,15 +207,17 @@ _RECORD_MAX = 64 << 10
 def _runs_of_one_pair(
     rows: npt.NDArray[np.int64], dests: npt.NDArray[np.int64]
 ) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
-    """Cut rows into runs that read one source layer and write one target layer (plans keep a
-    layer's rows together: a run per layer and side)."""
+    """Cut rows into runs that read one source layer and write one target layer.
+
+    Plans keep a layer's rows together: a run per layer and side.
+    """
     change = (np.diff(rows[:, 0]) != 0) | (np.diff(dests[:, 0]) != 0)
     cuts = [0, *(np.flatnonzero(change) + 1).tolist(), len(rows)]
     return [(rows[a:b], dests[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _record_length(rows: npt.NDArray[np.int64], dests: npt.NDArray[np.int64]) -> int:
-    """The length ``n`` of rows that can be copied as ``n``-byte records, or 0 if they cannot.
+    """Return the length ``n`` of rows that can be copied as ``n``-byte records, else 0.
 
     They can when they all have one length ``n`` (at most `_RECORD_MAX`) and every offset on
     both sides is a multiple of it (block rows are, at their row length): the buffers are then
