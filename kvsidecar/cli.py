@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvsidecar import __version__
 from kvsidecar.daemon.logs import setup_logging
@@ -27,14 +27,25 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {
             "dest": setting.name,
             "default": None,
-            "help": f"{setting.help} [env {setting.env_var}; default {_show(setting)}]",
+            "help": (
+                f"{setting.help} [env {setting.env_var}; default {_show(setting)}{_range(setting)}]"
+            ),
         }
         if setting.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = setting.type
+        else:  # parsed and checked by `Config`, as from the environment and the file
             kwargs["metavar"] = setting.type.__name__.upper()
         group.add_argument(setting.flag, **kwargs)
+
+
+def _range(setting: Setting) -> str:
+    if setting.low is None or setting.high is None:
+        return ""
+    return f"; {_plain(setting.low)} to {_plain(setting.high)}"
+
+
+def _plain(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _show(setting: Setting) -> str:
@@ -55,9 +66,17 @@ def _load_config(args: argparse.Namespace) -> Config:
     return Config.load(args.config, overrides=overrides)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (the usage itself is in ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit with `EXIT_USAGE`."""
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvsidecar",
         description="Per-node daemon that moves KV-cache blocks for LLM inference engines.",
     )
@@ -171,9 +190,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"kvsidecar: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as exc:
-        if args.command in ("serve", "check-config") and exc.filename == args.__dict__.get(
-            "config"
-        ):
+        config_file = args.__dict__.get("config")
+        if config_file is not None and exc.filename == config_file:
             print(f"kvsidecar: cannot read config: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         raise

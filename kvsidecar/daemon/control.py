@@ -49,7 +49,6 @@ from kvsidecar.wire.protocol import (
     Envelope,
     Error,
     FixLayout,
-    Heartbeat,
     Hello,
     HostAlloc,
     HostFree,
@@ -80,6 +79,10 @@ lookup: the keys; cache store and load: (keys, ids)."""
 _Frames = list[zmq.Frame]
 _BURST = 64
 """Requests served per reader callback before yielding to the loop (bounded work per turn)."""
+_BURST_S = 0.005
+"""...and seconds: a burst of requests that each cost milliseconds (stores of thousands of keys)
+yields after this long, so that one client's heavy requests, answered one by one as fast as it
+sends them, cannot hold the other callbacks (``/healthz``, the fd channel, timers) off."""
 
 Dispatched = (
     tuple[Reply, tuple[Any, ...]] | Coroutine[Any, Any, Reply] | asyncio.Future[Reply] | None
@@ -92,14 +95,14 @@ Route = Callable[[Request, list[memoryview], "ReplyTo", Principal], Dispatched]
 """Who answers a checked request (`kvsidecar.daemon.dispatch.Router.dispatch`)."""
 
 NOBODY = Principal(frozenset(), admin=False, user="")
-"""The principal handed on with requests that need no rights (hello, status, heartbeat)."""
+"""The principal handed on with requests that need no rights and tell nothing (hello)."""
 
 BULKY = (Status, HostAlloc, Collect, TakePeerEvents)
 """Requests whose replies may be large (zero-copy): refused while `ReplyBudget` has no room."""
 
-OPEN = (Hello, Heartbeat)
-"""Requests anyone may send: no principal is looked up for them (``status`` needs one: it
-describes the sender's own engines)."""
+OPEN = (Hello,)
+"""Requests anyone may send and that tell nothing of any engine: no principal is looked up for
+them (``status`` and ``heartbeat`` need one: they answer about the sender's own engines)."""
 
 ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 """Requests run as copy jobs, which answer through their `ReplyTo` themselves.
@@ -107,11 +110,20 @@ ANSWERED_BY_JOB = (Move, FixLayout, MoveBatch, CacheStore, CacheLoad)
 Tuples, not unions, for ``isinstance``: a union is built anew at each call."""
 
 
-def _no_room(size: int, limit: int) -> str:
+def _user_of(frame: zmq.Frame) -> str:
+    """Return the transport user libzmq's ZAP verdict put on a message ("": none, trust nothing)."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, KeyError):
+        return ""
+
+
+def _no_room(size: int, budget: ReplyBudget, user: str) -> str:
     what = f"a reply of {size} bytes" if size else "a reply that may be large"
     return (
-        f"{what} was not queued: max_reply_bytes ({limit}) of replies already wait for "
-        "clients that have not read them; read your replies, then retry"
+        f"{what} was not queued: replies wait for clients that have not read them, "
+        f"{budget.held_by(user)} bytes of them {user or 'unauthenticated'}'s (its share of "
+        f"max_reply_bytes {budget.limit}: {budget.user_limit}); read your replies, then retry"
     )
 
 
@@ -148,6 +160,7 @@ class ReplyTo:
             command=self._command,
             started=self._started,
             from_thread=from_thread,
+            user=self.user,
         )
         return True
 
@@ -161,7 +174,9 @@ class ReplyTo:
 
     def deliver(self, reply: Reply) -> None:
         """Send the reply that `claim` reserved (on the event loop)."""
-        self._control.send(self._ident, reply, command=self._command, started=self._started)
+        self._control.send(
+            self._ident, reply, command=self._command, started=self._started, user=self.user
+        )
 
 
 class ControlSocket:
@@ -228,7 +243,10 @@ class ControlSocket:
             os.chmod(config.ipc_path, 0o600)
         self._sock = sock
         self.connections = ConnectionCount(
-            sock, max_total=config.max_connections, max_per_peer=config.max_connections_per_peer
+            sock,
+            max_total=config.max_connections,
+            max_per_peer=config.max_connections_per_peer,
+            users=len(config.uids),
         )
         self.zap.admission[CONTROL_DOMAIN] = self.connections.admit
 
@@ -284,6 +302,7 @@ class ControlSocket:
         self._read_scheduled = False
         lock = self._lock
         settle = self._executor.settle_finished
+        until = time.perf_counter() + _BURST_S
         for _ in range(_BURST):
             with lock:
                 sock = self._sock
@@ -298,6 +317,8 @@ class ControlSocket:
                 log.exception("unhandled error on a request")
             if self._drained:
                 return
+            if time.perf_counter() > until:
+                break
         self._schedule_read()
 
     def send(
@@ -309,15 +330,20 @@ class ControlSocket:
         command: str = "",
         started: float = 0.0,
         from_thread: bool = False,
+        user: str = "",
     ) -> None:
-        """Send one reply; ``from_thread`` when called on a copy thread, not on the loop."""
+        """Send one reply; ``from_thread`` when called on a copy thread, not on the loop.
+
+        ``user``: the sender's transport user, whose share of ``max_reply_bytes`` a large reply
+        takes.
+        """
         # The socket's encoder on the loop; msgspec's module-level one on a copy thread.
         header = msgspec.msgpack.encode(reply) if from_thread else self._encoder.encode(reply)
         size = len(header) + sum(memoryview(f).nbytes for f in data) if data else len(header)
         large = size >= zmqio.COPY_BELOW  # sent zero-copy: held until libzmq lets go of it
         budget = self._reply_budget
-        if large and not budget.take(size):
-            reply = Error(id=reply.id, code="busy", message=_no_room(size, budget.limit))
+        if large and not budget.take(size, user):
+            reply = Error(id=reply.id, code="busy", message=_no_room(size, budget, user))
             header, data, large = msgspec.msgpack.encode(reply), (), False
         if isinstance(reply, Error):
             self.errors_total += 1
@@ -335,10 +361,10 @@ class ControlSocket:
             except zmq.ZMQError as exc:  # peer gone, or socket closing during shutdown
                 log.debug("reply %s not sent: %s", type(reply).__name__, exc)
                 if large:
-                    budget.give_back(size)
+                    budget.give_back(size, user)
                 trackers, large, pending = [], False, False
         if large:
-            budget.track(trackers, size)
+            budget.track(trackers, size, user)
         if command:  # metered once the reply is out: every answered command, with its latency
             self._observability.command(command, reply, started)
         if pending:
@@ -352,6 +378,7 @@ class ControlSocket:
         request_id = 0
         started = time.perf_counter()
         command = "unknown"  # metrics label until the header decodes
+        user = ""
         try:
             if not body:
                 raise SidecarError("bad_frame", "a request needs a header frame")
@@ -376,15 +403,16 @@ class ControlSocket:
                 )
             if self._state.draining and not isinstance(request, Status):
                 raise SidecarError("shutting_down", "the daemon is shutting down")
-            if isinstance(request, BULKY) and not self._reply_budget.has_room():
+            user = "" if isinstance(request, OPEN) else _user_of(body[0])
+            if isinstance(request, BULKY) and not self._reply_budget.has_room(user):
                 # Refused before it runs: a collect or take_peer_events must not consume what
                 # its reply would then have to drop.
-                raise SidecarError("busy", _no_room(0, self._reply_budget.limit))
-            who = NOBODY  # hello, status and heartbeat need no rights: no principal looked up
+                raise SidecarError("busy", _no_room(0, self._reply_budget, user))
+            who = NOBODY  # hello needs no rights: no principal looked up
             if not isinstance(request, OPEN):
-                who = self._principal(ident, body[0])
+                who = self._access.principal(ident, user)
                 authorize(self._access, who, request)  # forbidden before anything is done
-            reply_to = ReplyTo(self, ident, command, started, who.user)
+            reply_to = ReplyTo(self, ident, command, started, user)
             assert self._route is not None
             result = self._route(request, [f.buffer for f in body[1:]], reply_to, who)
         except SidecarError as exc:
@@ -394,13 +422,14 @@ class ControlSocket:
                 Error(id=rid, code=exc.code, message=exc.message),
                 command=command,
                 started=started,
+                user=user,
             )
             return
         if result is None:  # answered already
             return
         if isinstance(result, tuple):
             reply, data = result
-            self.send(ident, reply, data, command=command, started=started)
+            self.send(ident, reply, data, command=command, started=started, user=user)
         elif isinstance(result, asyncio.Future):
             if isinstance(request, ANSWERED_BY_JOB):  # by `JobRunner.run`, perhaps already
                 self._state.hold_reply(result)
@@ -414,20 +443,13 @@ class ControlSocket:
             result.add_done_callback(answer)
         else:
             self._state.spawn(
-                self._finish(ident, request_id, result, command=command, started=started)
+                self._finish(ident, request_id, result, command=command, started=started, user=user)
             )
 
     def _too_large(self, header_bytes: int, total_bytes: int) -> bool:
         """Whether a request's header or whole size is over the limits (``too_large``)."""
         config = self._config
         return header_bytes > config.max_header_bytes or total_bytes > config.max_message_bytes
-
-    def _principal(self, ident: bytes, frame: zmq.Frame) -> Principal:
-        try:
-            user = frame.get("User-Id")
-        except (zmq.ZMQError, KeyError):  # no ZAP verdict on this message: trust nothing
-            user = ""
-        return self._access.principal(ident, str(user))
 
     def _peek_id(self, header: memoryview) -> int:
         try:
@@ -459,6 +481,7 @@ class ControlSocket:
         *,
         command: str = "",
         started: float = 0.0,
+        user: str = "",
     ) -> None:
         try:
             reply = await work
@@ -470,9 +493,10 @@ class ControlSocket:
                 Error(id=request_id, code="shutting_down", message="cancelled by shutdown"),
                 command=command,
                 started=started,
+                user=user,
             )
             raise
         except Exception as exc:
             log.exception("request %d failed", request_id)
             reply = Error(id=request_id, code="internal", message=f"{type(exc).__name__}: {exc}")
-        self.send(ident, reply, command=command, started=started)
+        self.send(ident, reply, command=command, started=started, user=user)

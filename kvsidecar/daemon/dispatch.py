@@ -111,7 +111,7 @@ class Router:
             case Status():
                 return self.status(req, who), ()
             case Heartbeat():
-                return self._registrations.heartbeat(req), ()
+                return self._registrations.heartbeat(req, who), ()
             case HostAlloc():
                 return self._moves.host_alloc(req)
             case HostFree():
@@ -182,7 +182,7 @@ class Router:
             return executor.in_flight_for(ref)
 
         def visible(engine: Engine) -> bool:
-            return who.admin or engine.owner == who.user
+            return self._access.owns(who, engine)
 
         return StatusReply(
             id=req.id,

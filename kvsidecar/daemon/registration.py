@@ -40,6 +40,7 @@ from kvsidecar.node.registry import (
     Worker,
     check_epoch,
     host_buffer_set,
+    unknown_engine,
 )
 from kvsidecar.wire.errors import SidecarError, require_distinct
 from kvsidecar.wire.protocol import (
@@ -111,15 +112,25 @@ class Registrations:
             daemon_id=self.daemon_id,
         )
 
-    def heartbeat(self, req: Heartbeat) -> Ok:
-        """Renew the leases of every named worker, or of none (an unknown or stale one)."""
+    def heartbeat(self, req: Heartbeat, who: Principal) -> Ok:
+        """Renew the leases of every named worker, or of none (an unknown or stale one).
+
+        A worker of another user's engine is answered as one that does not exist, and not
+        renewed: a heartbeat tells its sender about its own user's engines only.
+        """
         deadline = time.monotonic() + self._config.lease_s
-        workers = [self._registry.worker(ref) for ref in req.workers]  # all known, or none renewed
+        workers = [self._own_worker(ref, who) for ref in req.workers]  # all known, or none renewed
         for worker, epoch in zip(workers, req.epochs, strict=False):
             check_epoch(worker, epoch)  # a restarted worker's old heartbeat renews nothing
         for worker in workers:
             worker.lease_deadline = deadline
         return Ok(id=req.id)
+
+    def _own_worker(self, ref: WorkerRef, who: Principal) -> Worker:
+        engine = self._registry.engines.get(ref.engine_id)
+        if engine is not None and not self._access.owns(who, engine):
+            raise unknown_engine(ref.engine_id)
+        return self._registry.worker(ref)
 
     def grant(self, req: Grant, who: Principal) -> Ok:
         """Let ``req.grantee`` use the owner's engine (read and/or write; see `access`)."""
@@ -326,12 +337,13 @@ class Registrations:
                 "pool_exhausted",
                 f"a host mirror of {need} bytes is larger than the pool ({pool.capacity_bytes})",
             )
-        quota = self._config.host_pool_user_bytes
-        if quota and pool.used_by(user) + need > quota:
+        quota = self._config.user_pool_bytes
+        if pool.used_by(user) + need > quota:
             raise SidecarError(
                 "pool_exhausted",
-                f"{user} holds {pool.used_by(user)} host-pool bytes; {need} more would pass its "
-                f"quota of {quota} (host_pool_user_bytes)",
+                f"{user} holds {pool.used_by(user)} host-pool bytes (host mirrors and cache "
+                f"namespaces); {need} more would pass its quota of {quota} (host_pool_user_bytes"
+                ", or the pool's share per allowed uid)",
             )
         return need
 

@@ -122,7 +122,9 @@ class JobRunner:
         # while the job waits or runs fails it instead of reporting bytes that may have gone to,
         # or come from, memory nobody owns any more.
         refs = [w for w in job.workers if isinstance(w, WorkerRef)]
-        ticket = self._admission.admit(refs)  # bounded queue: busy beyond it
+        engines = self._registry.engines
+        users = [e.owner for e in map(engines.get, {r.engine_id for r in refs}) if e is not None]
+        ticket = self._admission.admit(refs, users)  # bounded queue: busy beyond it
         owners = {ref: self._registry.workers.get(ref) for ref in refs}
 
         def success(nbytes: int) -> Reply:

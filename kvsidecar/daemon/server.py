@@ -43,7 +43,12 @@ from kvsidecar.daemon.metrics.state import StateSnapshot
 from kvsidecar.daemon.moves import Moves
 from kvsidecar.daemon.registration import Registrations
 from kvsidecar.daemon.runner import JobRunner
-from kvsidecar.daemon.runtime_dir import lock_runtime_dir, private_dir, refuse_if_running
+from kvsidecar.daemon.runtime_dir import (
+    allocate_pool,
+    claim_runtime_dir,
+    make_parent,
+    refuse_if_running,
+)
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_loop
 from kvsidecar.daemon.state import DaemonState, MoveTotals
 from kvsidecar.memory.fd_channel import FdChannelServer, FdConnection
@@ -77,7 +82,7 @@ class Daemon:
         self.force_exit = False
         self._exit = asyncio.Event()
         self._lock_fd: int | None = None
-        """The runtime directory's lock (`lock_runtime_dir`), held while serving."""
+        """The runtime directory's lock (`claim_runtime_dir`), held while serving."""
         self._notifier = Notifier.from_env()
         self._background: list[asyncio.Task[Any]] = []
         self.completions = CompletionService()
@@ -88,8 +93,10 @@ class Daemon:
         """Metrics registry and the /metrics, /healthz, /readyz endpoint."""
         self.access = AccessControl(lookup=self.registry.engines.get)
         """Connection -> engine bindings and sharing grants."""
-        self.admission = Admission(config.max_moves_per_worker, config.max_moves_total)
-        self.reply_budget = ReplyBudget(config.max_reply_bytes)
+        self.admission = Admission(
+            config.max_moves_per_worker, config.max_moves_total, users=config.users
+        )
+        self.reply_budget = ReplyBudget(config.max_reply_bytes, users=config.users)
         """Bytes of large replies waiting for their readers (`kvsidecar.node.replies`)."""
         # Made by `startup`, in this order; None before it and after `shutdown`.
         self.pool: HostPool | None = None
@@ -156,15 +163,13 @@ class Daemon:
         """Create the runtime dir, allocate the pool, bind the sockets, build the handlers."""
         cfg = self.config
         check_cuda(cfg.require_cuda)  # before anything is bound or allocated: fail fast
-        private_dir(Path(cfg.runtime_dir))
-        self._lock_fd = lock_runtime_dir(cfg.runtime_dir)
+        self._lock_fd = claim_runtime_dir(Path(cfg.runtime_dir))
         refuse_if_running(cfg.fd_socket, cfg.ipc_path)
         if cfg.ipc_path is not None:
             # Only created, never re-moded: an ipc path outside runtime_dir is the admin's call.
-            Path(cfg.ipc_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if cfg.host_pool_bytes > 0:
-            # Allocated and touched up front: a page's first touch costs more than a copy into it.
-            self.pool = HostPool(cfg.host_pool_bytes)
+            make_parent(cfg.ipc_path, "endpoint")
+        make_parent(cfg.fd_socket, "fd_socket")
+        self.pool = allocate_pool(cfg.host_pool_bytes)
         executor = self.executor = CopyExecutor(cfg.copy_threads)
         # Use the descriptors we may: a flood must not meet a low soft limit.
         before, after = raise_fd_limit()
@@ -336,7 +341,8 @@ class Daemon:
         self.completions.close()
         await self.observability.close()
         self._notifier.close()
-        log.info("kvsidecar stopped")
+        if self.started.is_set():  # a start refused has said why, and nothing more
+            log.info("kvsidecar stopped")
 
     def _on_fd_close(self, conn: FdConnection) -> None:
         if self.registrations is not None:
@@ -362,6 +368,7 @@ class Daemon:
             events[("peer", "replies_dropped")] = peer.replies_dropped_total
             events[("peer", "unreadable")] = peer.unreadable_total
             events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
+            events[("peer", "publishes_refused")] = peer.producer.publishes_refused_total
             events[("peer", "links_evicted")] = peer.links.evicted_total
             events[("peer", "links_refused")] = peer.links.refused_total
             events[("peer", "links_passing")] = peer.links.passing_total

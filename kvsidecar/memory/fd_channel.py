@@ -159,6 +159,11 @@ class FdChannelServer:
             sock.bind(os.fspath(self.path))
             os.chmod(self.path, self._mode)
             sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            raise SystemExit(
+                f"kvsidecar: cannot bind the fd channel {self.path}: {exc.strerror}"
+            ) from None
         except BaseException:
             sock.close()
             raise
@@ -273,12 +278,11 @@ class FdChannelServer:
     def _admit(self, sock: socket.socket) -> None:
         assert self._loop is not None
         cred = peer_cred(sock)
-        refusal = ""
         if cred.uid not in self._allowed:
             refusal = f"uid {cred.uid} not allowed"
-        elif not self.ledger.peer_may_connect((cred.uid, cred.pid)):
-            refusal = f"{self.limits.max_connections_per_peer} connections already"
-        elif self.ledger.connections_full() and not self._evict_connection():
+        else:
+            refusal = self.ledger.peer_may_connect((cred.uid, cred.pid))
+        if not refusal and self.ledger.connections_full() and not self._evict_connection():
             refusal = f"{self.ledger.total_connections} connections, {self.ledger.held} fds held"
         if refusal:
             self.stats.refused_connections += 1
@@ -402,8 +406,8 @@ class FdChannelServer:
         """Make room for ``weight`` more unclaimed fds of ``key``; why not, or "" when there is."""
         ledger = self.ledger
         ledger.refresh_budget(self._base_fds)
-        if not ledger.peer_may_hold(key, weight):
-            return f"this process holds {ledger.unclaimed.get(key, 0)} unclaimed fds already"
+        if refusal := ledger.peer_may_hold(key, weight):
+            return refusal
         while ledger.unclaimed_full(weight):
             # The biggest holder gives way, as long as it holds more than this peer would.
             top = ledger.biggest(ledger.unclaimed, (d.conn.key for d in self._pending.values()))

@@ -6,9 +6,12 @@ workers, and libzmq 4.3 aborts the whole process when its ipc listener meets ``E
 fd channel (`kvsidecar.memory.fd_channel.FdChannelServer`) keeps a `Ledger` of what each peer
 holds, keyed by the peer's (uid, pid) from ``SO_PEERCRED``, and asks it before taking more:
 
-- a peer may hold at most ``max_connections_per_peer`` connections and
-  ``max_unclaimed_fds_per_peer`` unclaimed fds; beyond that its own new connection or message is
-  refused, nobody else's;
+- a user (uid) may hold at most ``max_connections_per_user`` connections and
+  ``max_unclaimed_fds_per_user`` unclaimed fds, all its processes together (an equal share of the
+  totals per allowed uid: forking more processes gives a user nothing more), and within that
+  each of its processes at most ``max_connections_per_peer`` and
+  ``max_unclaimed_fds_per_peer``; beyond that its own new connection or message is refused,
+  nobody else's;
 - in total at most ``max_connections`` and ``max_unclaimed_fds``, and together at most half of
   the descriptors the process had free at start (``RLIMIT_NOFILE``; the control socket may use a
   quarter, `kvsidecar.daemon.limits.connections`, the rest is kept for everything else). At a total
@@ -27,6 +30,7 @@ import os
 import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "FdLimits",
@@ -50,6 +54,8 @@ class FdLimits:
     max_connections_per_peer: int = 256
     max_unclaimed_fds: int = 4096
     max_unclaimed_fds_per_peer: int = 1024
+    max_connections_per_user: int = 1024
+    max_unclaimed_fds_per_user: int = 4096
     unclaimed_s: float = 30.0
     """Unclaimed fds are closed this long after they arrived."""
     idle_s: float = 10.0
@@ -61,6 +67,8 @@ class FdLimits:
             self.max_connections_per_peer,
             self.max_unclaimed_fds,
             self.max_unclaimed_fds_per_peer,
+            self.max_connections_per_user,
+            self.max_unclaimed_fds_per_user,
         )
         if min(counts) < 1:
             raise ValueError("connection and fd limits must be >= 1")
@@ -123,6 +131,9 @@ class Ledger:
         self.budget = budget
         self.connections: dict[PeerKey, int] = {}
         self.unclaimed: dict[PeerKey, int] = {}
+        self.user_connections: dict[int, int] = {}
+        self.user_unclaimed: dict[int, int] = {}
+        """The same per uid, all its processes together."""
         self.total_connections = 0
         self.total_unclaimed = 0
 
@@ -138,20 +149,37 @@ class Ledger:
     def add_connection(self, key: PeerKey, n: int = 1) -> None:
         """Count ``n`` connections of ``key`` (negative to uncount)."""
         _bump(self.connections, key, n)
+        _bump(self.user_connections, key[0], n)
         self.total_connections += n
 
     def add_unclaimed(self, key: PeerKey, n: int) -> None:
         """Count ``n`` unclaimed fds of ``key`` (negative to uncount)."""
         _bump(self.unclaimed, key, n)
+        _bump(self.user_unclaimed, key[0], n)
         self.total_unclaimed += n
 
-    def peer_may_connect(self, key: PeerKey) -> bool:
-        """Whether ``key`` is under its own connection limit."""
-        return self.connections.get(key, 0) < self.limits.max_connections_per_peer
+    def peer_may_connect(self, key: PeerKey) -> str:
+        """Why ``key`` may not connect under its process's and its user's limits; "" if it may."""
+        limits = self.limits
+        if self.connections.get(key, 0) >= limits.max_connections_per_peer:
+            return f"{limits.max_connections_per_peer} connections of this process already"
+        if self.user_connections.get(key[0], 0) >= limits.max_connections_per_user:
+            return f"{limits.max_connections_per_user} connections of this user already"
+        return ""
 
-    def peer_may_hold(self, key: PeerKey, nfds: int) -> bool:
-        """Whether ``key`` may hold ``nfds`` more unclaimed fds under its own limit."""
-        return self.unclaimed.get(key, 0) + nfds <= self.limits.max_unclaimed_fds_per_peer
+    def peer_may_hold(self, key: PeerKey, nfds: int) -> str:
+        """Why ``key`` may not hold ``nfds`` more unclaimed fds; "" if it may.
+
+        Its process's limit and its user's, all that user's processes together.
+        """
+        limits = self.limits
+        held = self.unclaimed.get(key, 0)
+        if held + nfds > limits.max_unclaimed_fds_per_peer:
+            return f"this process holds {held} unclaimed fds already"
+        by_user = self.user_unclaimed.get(key[0], 0)
+        if by_user + nfds > limits.max_unclaimed_fds_per_user:
+            return f"this user holds {by_user} unclaimed fds already"
+        return ""
 
     def connections_full(self) -> bool:
         """Whether one more connection would pass a total limit."""
@@ -170,7 +198,7 @@ class Ledger:
         return max(candidates, key=lambda k: table.get(k, 0), default=None)
 
 
-def _bump(table: dict[PeerKey, int], key: PeerKey, n: int) -> None:
+def _bump(table: dict[Any, int], key: Any, n: int) -> None:
     left = table.get(key, 0) + n
     if left > 0:
         table[key] = left

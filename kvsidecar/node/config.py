@@ -9,15 +9,19 @@ Precedence, lowest to highest: defaults, TOML file, environment, explicit overri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from kvsidecar.memory.fd_limits import FdLimits
 from kvsidecar.node.settings import SETTINGS, Setting
+from kvsidecar.wire.curve import KeyFileError, load_authorized_keys, load_keypair
 from kvsidecar.wire.endpoints import (
     canonical_peer_endpoint,
     control_endpoint,
@@ -35,6 +39,7 @@ class ConfigError(ValueError):
 
 
 _BY_NAME = {s.name: s for s in SETTINGS}
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _parse(setting: Setting, raw: object, source: str) -> Any:
@@ -62,11 +67,11 @@ def _parse(setting: Setting, raw: object, source: str) -> Any:
             if isinstance(raw, bool):
                 raise ValueError(raw)
             return float(raw)  # type: ignore[arg-type]
-        return str(raw)
+        if not isinstance(raw, str):  # a TOML number, list or table where words belong
+            raise TypeError(raw)
+        return raw
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"{setting.name} from {source}: {raw!r} is not a valid {kind.__name__}"
-        ) from None
+        raise ConfigError(f"{setting.name} from {source}: {raw!r} is not {_KINDS[kind]}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,90 +135,87 @@ class Config:
 
     def __post_init__(self) -> None:
         self._fill_paths()
-        self._check_finite()
-        self._check_core()
-        self._check_peer_and_metrics()
-        self._check_security_and_limits()
+        self._check_numbers()
+        self._check_words()
+        self._check_together()
 
     def _fill_paths(self) -> None:
         """Derive the empty paths from the runtime directory and check what Unix sockets allow."""
         runtime_dir = self.runtime_dir or str(default_runtime_dir())
+        _check_path("runtime_dir", runtime_dir)  # before the paths derived from it
         object.__setattr__(self, "runtime_dir", runtime_dir)
         if not self.endpoint:
             object.__setattr__(self, "endpoint", control_endpoint(runtime_dir))
         if not self.fd_socket:
             object.__setattr__(self, "fd_socket", f"{runtime_dir}/fd.sock")
-        if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ConfigError(f"endpoint must start with ipc:// or tcp://, got {self.endpoint!r}")
+        _check_endpoint("endpoint", self.endpoint, ("ipc", "tcp"))
+        _check_path("fd_socket", self.fd_socket)
         # A Unix socket path longer than sun_path (108 bytes) fails late and obscurely at bind.
         for name, path in (("endpoint", self.ipc_path), ("fd_socket", self.fd_socket)):
             if path is not None and len(path.encode()) > 100:
                 raise ConfigError(f"{name} path is too long for a Unix socket: {path!r}")
 
-    def _check_finite(self) -> None:
-        """Refuse an infinite or NaN number: as a time or size it would disable a bound."""
+    def _check_numbers(self) -> None:
+        """Refuse a number outside its setting's range (`Setting.low`, `Setting.high`).
+
+        Infinity and NaN are outside every range: as a time or a size they would switch a bound
+        off; so is a time beyond a day or a size beyond what a node holds.
+        """
         for setting in SETTINGS:
             value = getattr(self, setting.name)
-            if setting.type is float and not math.isfinite(value):
-                raise ConfigError(f"{setting.name} must be a finite number, not {value}")
+            if setting.low is None or setting.high is None:
+                continue
+            if not (math.isfinite(value) and setting.low <= value <= setting.high):
+                raise ConfigError(
+                    f"{setting.name} must be a number from {_number(setting.low)} to "
+                    f"{_number(setting.high)}, not {value!r}"
+                )
 
-    def _check_core(self) -> None:
-        if self.host_pool_bytes < 0:
-            raise ConfigError("host_pool_bytes must be >= 0")
-        if self.copy_threads < 1:
-            raise ConfigError("copy_threads must be >= 1")
-        for name in ("lease_s", "drain_timeout_s", "fd_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0")
-        if self.max_header_bytes < 1024:
-            raise ConfigError("max_header_bytes must be >= 1024")
-        if self.max_message_bytes < self.max_header_bytes:
-            raise ConfigError("max_message_bytes must be >= max_header_bytes")
-        if self.max_ids_per_command < 1:
-            raise ConfigError("max_ids_per_command must be >= 1")
+    def _check_words(self) -> None:
+        """Refuse a word or name the daemon would misread (levels, planes, hosts, uids, keys)."""
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
-
-    def _check_peer_and_metrics(self) -> None:
-        if self.peer_endpoint and not self.peer_endpoint.startswith("tcp://"):
-            raise ConfigError(f"peer_endpoint must be tcp://host:port, got {self.peer_endpoint!r}")
+        if self.peer_endpoint:
+            _check_endpoint("peer_endpoint", self.peer_endpoint, ("tcp",))
         if self.peer_data_plane not in ("auto", "zmq", "nixl"):
             raise ConfigError(
                 f"peer_data_plane must be auto, zmq or nixl, got {self.peer_data_plane!r}"
-            )
-        for name in ("peer_lease_s", "peer_pull_timeout_s", "peer_handshake_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0")
-        if self.peer_max_in_flight < 1:
-            raise ConfigError("peer_max_in_flight must be >= 1")
-        if self.peer_chunk_bytes < 4096:
-            raise ConfigError("peer_chunk_bytes must be >= 4096")
-        if not 1 <= self.peer_streams <= 64:
-            raise ConfigError("peer_streams must be 1..64")
-        if not 0 <= self.peer_nixl_wakeup_ms <= 60_000:
-            raise ConfigError("peer_nixl_wakeup_ms must be 0..60000")
-        if self.peer_data_plane == "nixl" and not self.peer_nixl_trusted:
-            raise ConfigError(
-                "peer_data_plane=nixl needs peer_nixl_trusted: NIXL lets a peer read any of "
-                "this daemon's memory (docs/reliability.md)"
             )
         for peer in self.peer_list:
             try:
                 canonical_peer_endpoint(peer)
             except ValueError as exc:
                 raise ConfigError(f"peers: {peer[:80]!r}: {exc}") from None
-        if not 1 <= self.peer_max_links <= 1024:
-            raise ConfigError("peer_max_links must be 1..1024")
-        if not self.peer_link_idle_s > 0:
-            raise ConfigError("peer_link_idle_s must be > 0")
-        if not -1 <= self.metrics_port <= 65535:
+        if not _is_host(self.metrics_host):
             raise ConfigError(
-                f"metrics_port must be -1 (off), 0 (any free) or a port, not {self.metrics_port}"
+                f"metrics_host must be an IP address or a host name, got {self.metrics_host!r}"
             )
-        if not self.metrics_grace_s >= 0:
-            raise ConfigError("metrics_grace_s must be >= 0")
+        try:
+            _ = self.uids
+        except ValueError:
+            raise ConfigError(
+                f"allowed_uids must be comma-separated uids (0 to {_MAX_UID}), got "
+                f"{self.allowed_uids!r}"
+            ) from None
+        # Key files named are read now: a missing or bad one must not wait for the first tcp
+        # connection to be noticed (or, with an ipc endpoint, go unnoticed).
+        try:
+            if self.curve_secret_key:
+                load_keypair(self.curve_secret_key)
+            if self.curve_authorized_keys:
+                load_authorized_keys(self.curve_authorized_keys)
+        except KeyFileError as exc:
+            raise ConfigError(str(exc)) from None
 
-    def _check_security_and_limits(self) -> None:
+    def _check_together(self) -> None:
+        """Refuse settings that contradict each other."""
+        if self.peer_data_plane == "nixl" and not self.peer_nixl_trusted:
+            raise ConfigError(
+                "peer_data_plane=nixl needs peer_nixl_trusted: NIXL lets a peer read any of "
+                "this daemon's memory (docs/reliability.md)"
+            )
+        if self.max_message_bytes < self.max_header_bytes:
+            raise ConfigError("max_message_bytes must be >= max_header_bytes")
         if self.endpoint.startswith("tcp://") and not (self.curve_secret_key or self.insecure):
             raise ConfigError(
                 "a tcp endpoint needs curve_secret_key (see `kvsidecar keygen`) or, knowingly, "
@@ -224,34 +226,50 @@ class Config:
                 "a peer_endpoint needs curve_secret_key (see `kvsidecar keygen`) or, knowingly, "
                 "insecure"
             )
-        if self.max_moves_per_worker < 1 or self.max_moves_total < 1:
-            raise ConfigError("max_moves_per_worker and max_moves_total must be >= 1")
-        if self.max_layers < 1 or self.max_host_blocks < 0:
-            raise ConfigError("max_layers must be >= 1 and max_host_blocks >= 0")
-        if self.host_pool_user_bytes < 0:
-            raise ConfigError("host_pool_user_bytes must be >= 0 (0: the whole pool)")
-        if self.max_reply_bytes < 1 << 20:
-            raise ConfigError("max_reply_bytes must be >= 1 MiB")
         try:
             _ = self.fd_limits
         except ValueError as exc:
             raise ConfigError(f"connection and fd limits: {exc}") from None
-        if self.cache_bytes < 0:
-            raise ConfigError("cache_bytes must be >= 0")
-        if not self.cache_pin_s > 0:
-            raise ConfigError("cache_pin_s must be > 0")
-        try:
-            _ = self.uids
-        except ValueError:
-            raise ConfigError(
-                f"allowed_uids must be comma-separated integers, got {self.allowed_uids!r}"
-            ) from None
 
     @property
     def uids(self) -> frozenset[int]:
-        """The uids allowed on the ipc endpoint and the fd channel (default: our own)."""
-        parts = [p.strip() for p in self.allowed_uids.split(",") if p.strip()]
-        return frozenset(int(p) for p in parts) if parts else frozenset({os.geteuid()})
+        """The uids allowed on the ipc endpoint and the fd channel (default: our own).
+
+        `ValueError` for anything but comma-separated uids (no empty item).
+        """
+        if not self.allowed_uids.strip():
+            return frozenset({os.geteuid()})
+        uids = [int(p.strip(), 10) for p in self.allowed_uids.split(",")]
+        if not all(0 <= uid <= _MAX_UID for uid in uids):
+            raise ValueError(self.allowed_uids)
+        return frozenset(uids)
+
+    @property
+    def users(self) -> int:
+        """How many users share the daemon's totals: the allowed uids.
+
+        Each user's connections, unclaimed fds, moves in flight, large replies, host-pool bytes
+        and cache namespaces are bounded by an equal share of the daemon's total, all its
+        processes and engines together, so that no user can take the room another needs.
+        """
+        return len(self.uids)
+
+    @property
+    def user_pool_bytes(self) -> int:
+        """Host-pool bytes one user's host mirrors and cache namespaces may hold together.
+
+        ``host_pool_user_bytes``, or when it is 0 an equal share of the pool per allowed uid
+        (the whole pool when only one is allowed).
+        """
+        return self.host_pool_user_bytes or self.host_pool_bytes // self.users
+
+    @property
+    def user_cache_bytes(self) -> int:
+        """Bytes of ``cache_bytes`` one user's namespaces may hold.
+
+        An equal share per allowed uid (all of it when only one is allowed).
+        """
+        return self.cache_bytes // self.users
 
     @property
     def fd_limits(self) -> FdLimits:
@@ -261,6 +279,8 @@ class Config:
             max_connections_per_peer=self.max_connections_per_peer,
             max_unclaimed_fds=self.fd_max_unclaimed,
             max_unclaimed_fds_per_peer=max(1, self.fd_max_unclaimed // 4),
+            max_connections_per_user=max(1, self.max_connections // self.users),
+            max_unclaimed_fds_per_user=max(1, self.fd_max_unclaimed // self.users),
             unclaimed_s=self.fd_unclaimed_s,
             idle_s=self.fd_unclaimed_s / 3,
         )
@@ -316,8 +336,54 @@ class Config:
             if setting is None:
                 raise ConfigError(f"unknown setting {key!r}")
             if raw is not None:
-                values[key] = _parse(setting, raw, "override")
+                values[key] = _parse(setting, raw, setting.flag)
         return cls(**values)
+
+
+_MAX_UID = (1 << 32) - 2
+"""The largest uid (``(uid_t) -1`` means none)."""
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def _number(value: float) -> str:
+    """Write a range's end as people do (``1048576``, ``0.01``, ``86400``)."""
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _is_host(host: str) -> bool:
+    """Whether ``host`` is an IP address, or a host name made of valid labels (not all digits)."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return True
+    labels = host.rstrip(".").split(".")
+    return (
+        0 < len(host) <= 253
+        and all(_HOST_LABEL.match(label) for label in labels)
+        and not labels[-1].isdigit()
+    )
+
+
+def _check_path(name: str, path: str) -> None:
+    """Refuse a relative path or one with a NUL: a daemon's sockets must not move with its cwd."""
+    if not os.path.isabs(path) or "\0" in path:
+        raise ConfigError(f"{name} must be an absolute path, got {path!r}")
+
+
+def _check_endpoint(name: str, endpoint: str, schemes: tuple[str, ...]) -> None:
+    """Refuse an endpoint that is not ``ipc://<absolute path>`` or ``tcp://<host>:<port>``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in schemes:
+        spelled = " or ".join(f"{s}://" for s in schemes)
+        raise ConfigError(f"{name} must start with {spelled}, got {endpoint!r}")
+    if scheme == "ipc":
+        _check_path(name, rest)
+        return
+    host, colon, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not (colon and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"{name} must be tcp://<host>:<port 1-65535>, got {endpoint!r}")
+    if host != "*" and not _is_host(host):
+        raise ConfigError(f"{name}: {host!r} is neither an IP address nor a host name")
 
 
 def _check_table_matches_fields() -> None:
@@ -326,6 +392,9 @@ def _check_table_matches_fields() -> None:
     table = {s.name: s.default for s in SETTINGS}
     if fields != table:  # pragma: no cover - a programming error caught at import
         raise RuntimeError(f"SETTINGS and Config disagree: {fields} vs {table}")
+    for s in SETTINGS:  # every number has its range
+        if s.type in (int, float) and (s.low is None or s.high is None):  # pragma: no cover
+            raise RuntimeError(f"setting {s.name} has no range")
 
 
 _check_table_matches_fields()

@@ -133,6 +133,15 @@ def host_buffer_set(
     return BufferSet(key, layers, on_close=extent.close)
 
 
+def unknown_engine(engine_id: str) -> SidecarError:
+    """Return the error of a command naming an engine that is not registered.
+
+    Also for an engine that is not the sender's to know of: the same words, so that the two
+    cannot be told apart.
+    """
+    return SidecarError("unknown_engine", f"no engine {engine_id!r} is registered")
+
+
 @dataclass(eq=False)
 class Worker:
     """One registered worker process."""
@@ -216,7 +225,7 @@ class Registry:
         """Return the engine, or raise ``unknown_engine``."""
         engine = self.engines.get(engine_id)
         if engine is None:
-            raise SidecarError("unknown_engine", f"no engine {engine_id!r} is registered")
+            raise unknown_engine(engine_id)
         return engine
 
     def worker(self, ref: WorkerRef) -> Worker:

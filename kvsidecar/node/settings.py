@@ -16,12 +16,18 @@ ENV_PREFIX = "KVSIDECAR_"
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One entry of the settings table: name, type, default and a help line."""
+    """One entry of the settings table: name, type, default and a help line.
+
+    A number's ``low`` and ``high`` are the ends (both allowed) of its sensible values: one
+    outside them is refused at start.
+    """
 
     name: str
     type: type
     default: Any
     help: str
+    low: float | None = None
+    high: float | None = None
 
     @property
     def env_var(self) -> str:
@@ -33,6 +39,12 @@ class Setting:
         """The command-line flag that sets this value, e.g. ``--lease-s``."""
         return "--" + self.name.replace("_", "-")
 
+
+HOUR = 3600.0
+DAY = 86400.0
+TIB_64 = 1 << 46
+"""Upper ends of ranges: a time beyond a day (an hour for waits) or 64 TiB of memory is a typo
+or an attempt to switch a bound off, never a setting."""
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
@@ -59,6 +71,8 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         1 << 30,
         "Bytes of the daemon-owned host block pool, allocated and touched at start.",
+        low=0,
+        high=TIB_64,
     ),
     Setting(
         "require_cuda",
@@ -67,42 +81,61 @@ SETTINGS: tuple[Setting, ...] = (
         "Refuse to start (exit 3) unless CUDA works and shows a GPU: set it on GPU nodes, so a "
         "daemon that cannot see the GPUs fails at start, not at the first registration.",
     ),
-    Setting("copy_threads", int, 2, "Threads of the copy executor (moves run concurrently)."),
+    Setting(
+        "copy_threads",
+        int,
+        2,
+        "Threads of the copy executor (moves run concurrently).",
+        low=1,
+        high=256,
+    ),
     Setting(
         "lease_s",
         float,
         10.0,
         "Worker lease: a worker silent for this long is dropped and its mappings released.",
+        low=0.01,
+        high=DAY,
     ),
     Setting(
         "drain_timeout_s",
         float,
         10.0,
         "On SIGTERM/SIGINT, how long in-flight moves may run before they are failed.",
+        low=0.01,
+        high=HOUR,
     ),
     Setting(
         "max_message_bytes",
         int,
         64 << 20,
         "Largest accepted request (all frames together); larger ones get a too_large error.",
+        low=1024,
+        high=1 << 32,
     ),
     Setting(
         "max_header_bytes",
         int,
         1 << 20,
         "Largest accepted request header frame (the msgpack part).",
+        low=1024,
+        high=1 << 30,
     ),
     Setting(
         "max_ids_per_command",
         int,
         1 << 20,
         "Most block ids one command may carry in one id frame.",
+        low=1,
+        high=1 << 28,
     ),
     Setting(
         "fd_wait_s",
         float,
         5.0,
         "How long a register waits for its fds to arrive on the fd channel.",
+        low=0.01,
+        high=HOUR,
     ),
     Setting("use_uvloop", bool, True, "Run the event loop on uvloop when it is installed."),
     Setting("log_level", str, "info", "Logging level: debug, info, warning, error."),
@@ -126,30 +159,40 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         60.0,
         "How long published blocks are held for a remote reader that never comes.",
+        low=0.01,
+        high=DAY,
     ),
     Setting(
         "peer_pull_timeout_s",
         float,
         30.0,
         "Bound on one pull (handshake and data); past it the request is failed.",
+        low=0.01,
+        high=DAY,
     ),
     Setting(
         "peer_handshake_timeout_s",
         float,
         5.0,
         "Bound on the handshake with a remote daemon (an unreachable peer fails this fast).",
+        low=0.01,
+        high=HOUR,
     ),
     Setting(
         "peer_max_in_flight",
         int,
         8,
         "Read chunks in flight per remote daemon on the ZMQ plane.",
+        low=1,
+        high=4096,
     ),
     Setting(
         "peer_chunk_bytes",
         int,
         4 << 20,
         "Bytes per read chunk on the ZMQ plane (one request/reply message).",
+        low=4096,
+        high=1 << 30,
     ),
     Setting(
         "peer_streams",
@@ -157,6 +200,8 @@ SETTINGS: tuple[Setting, ...] = (
         2,
         "Data connections per remote daemon on the ZMQ plane, each received on its own thread "
         "(ZeroMQ I/O threads: as many); a pull's chunks are spread over them.",
+        low=1,
+        high=64,
     ),
     Setting(
         "peer_nixl_wakeup_ms",
@@ -164,6 +209,8 @@ SETTINGS: tuple[Setting, ...] = (
         1,
         "How often NIXL's UCX progress thread wakes when no event woke it (ms; it sleeps on "
         "the UCX workers' event fds otherwise). 0: NIXL's own default, a busy poll of a core.",
+        low=0,
+        high=60_000,
     ),
     Setting(
         "peer_keep_freed_memory",
@@ -187,12 +234,16 @@ SETTINGS: tuple[Setting, ...] = (
         "Connections to other daemons held at once, each with its data streams (the configured "
         "peers come on top); past it the least recently used idle one is closed, or, when all "
         "are busy, a pull to a new endpoint is refused (busy).",
+        low=1,
+        high=1024,
     ),
     Setting(
         "peer_link_idle_s",
         float,
         300.0,
         "A connection to another daemon that no pull used for this long is closed.",
+        low=0.01,
+        high=DAY,
     ),
     Setting(
         "peer_nixl_trusted",
@@ -215,12 +266,16 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         9464,
         "Port of the HTTP endpoint; 0 picks a free port (logged, and in status), -1 disables it.",
+        low=-1,
+        high=65535,
     ),
     Setting(
         "metrics_grace_s",
         float,
         30.0,
         "How long a departed engine's metric series stay (two scrape intervals or more).",
+        low=0,
+        high=DAY,
     ),
     # Who may connect (kvsidecar/node/auth.py), how many moves may queue
     # (kvsidecar/daemon/limits/admission.py), and how moves are checked.
@@ -257,12 +312,17 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         256,
         "Moves and fixes queued or running per worker; beyond it commands get a busy error.",
+        low=1,
+        high=1 << 20,
     ),
     Setting(
         "max_moves_total",
         int,
         4096,
-        "Moves and fixes queued or running on the daemon; beyond it commands get a busy error.",
+        "Moves and fixes queued or running on the daemon (one user's engines: an equal share per "
+        "allowed uid); beyond it commands get a busy error.",
+        low=1,
+        high=1 << 24,
     ),
     Setting(
         "checksum",
@@ -285,27 +345,36 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         1024,
         "Most layers one registration may carry; more get a too_large error.",
+        low=1,
+        high=1 << 16,
     ),
     Setting(
         "max_host_blocks",
         int,
         1 << 22,
         "Most host blocks one engine may declare (host_blocks); more get a too_large error.",
+        low=0,
+        high=1 << 31,
     ),
     Setting(
         "host_pool_user_bytes",
         int,
         0,
-        "Most host-pool bytes the host mirrors of one user (uid, or CURVE key) may hold; beyond "
-        "it a registration gets pool_exhausted. 0: the whole pool. Set it when allowed_uids "
-        "admits other users.",
+        "Most host-pool bytes the host mirrors and cache namespaces of one user (uid, or CURVE "
+        "key) may hold together; beyond it a registration or a new namespace gets "
+        "pool_exhausted. 0: an equal share of the pool per allowed uid (the whole pool with one).",
+        low=0,
+        high=TIB_64,
     ),
     Setting(
         "max_reply_bytes",
         int,
         64 << 20,
         "Bytes of large replies (64 KiB and up) the daemon holds for clients that have not read "
-        "them yet, all connections together; beyond it such requests get a busy error.",
+        "them yet, all connections together (one user: an equal share per allowed uid); beyond "
+        "it such requests get a busy error.",
+        low=1 << 20,
+        high=1 << 40,
     ),
     # Connection limits (kvsidecar/memory/fd_limits.py, kvsidecar/daemon/limits/connections.py).
     Setting(
@@ -313,7 +382,9 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         1024,
         "Connections in total on the control socket, and on the fd channel (each; also capped "
-        "by the open-files limit).",
+        "by the open-files limit; one user: an equal share per allowed uid).",
+        low=1,
+        high=1 << 20,
     ),
     Setting(
         "max_connections_per_peer",
@@ -321,18 +392,25 @@ SETTINGS: tuple[Setting, ...] = (
         256,
         "Connections one process (uid, pid; an IP on tcp) may hold on the control socket, and on "
         "the fd channel; more are refused.",
+        low=1,
+        high=1 << 20,
     ),
     Setting(
         "fd_max_unclaimed",
         int,
         4096,
-        "Fds received and not yet claimed by a registration, in total (a quarter per process).",
+        "Fds received and not yet claimed by a registration, in total (a quarter per process, an "
+        "equal share per allowed uid).",
+        low=1,
+        high=1 << 20,
     ),
     Setting(
         "fd_unclaimed_s",
         float,
         30.0,
         "How long received fds wait for their registration before they are closed.",
+        low=0.01,
+        high=HOUR,
     ),
     # The prefix cache (kvsidecar/daemon/cache/prefix.py).
     Setting(
@@ -340,13 +418,18 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         256 << 20,
         "Host-pool bytes the node's shared prefix cache may hold, all namespaces together "
-        "(taken from the pool as engines store; 0 disables the cache).",
+        "(taken from the pool as engines store; one user's: an equal share per allowed uid; 0 "
+        "disables the cache).",
+        low=0,
+        high=TIB_64,
     ),
     Setting(
         "cache_pin_s",
         float,
         30.0,
         "Longest a lookup's pin keeps blocks from eviction before the engine loads them.",
+        low=0.01,
+        high=DAY,
     ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""

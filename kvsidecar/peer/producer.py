@@ -51,6 +51,14 @@ lost notification does, and a peer sending notifications for made-up requests ca
 daemon's memory without bound."""
 _MAX_READERS = 1024
 """Readers counted per producer rank of one request (more than any real TP x DCP fan-in)."""
+MAX_PUBLISHED_PER_OWNER = 4096
+"""Requests one user's engines may hold published and unread, all together: a publish past it
+is refused ``busy`` (the engine then frees the request's blocks and its consumer computes the
+prompt). A publish holds the producer engine's blocks for up to ``peer_lease_s``, and its
+request may come from an API client, so what unread publishes hold is bounded per user."""
+MAX_PUBLISHED_BLOCKS_PER_OWNER = 1 << 22
+"""Block ids the unread publishes of one user's engines may name, all together (32 MiB of ids in
+the daemon): a publish past it is refused ``busy``."""
 
 
 @dataclass(eq=False)
@@ -65,6 +73,8 @@ class _Held:
     """The published block ids, sorted and unique: the only blocks a read may reach."""
     digest: str = ""
     """The prompt the blocks were published for (`Publish.prompt_digest`)."""
+    owner: str = ""
+    """The user of the engine that published it (its publishes are counted per user)."""
 
 
 class Producer:
@@ -85,6 +95,11 @@ class Producer:
         self.notifies_dropped_total = 0
         """Notifications ignored: unknown engine or rank, or too many early ones."""
         self._expired: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._requests_of: collections.Counter[str] = collections.Counter()
+        self._blocks_of: collections.Counter[str] = collections.Counter()
+        """Published requests held, and the block ids they name, per owner."""
+        self.publishes_refused_total = 0
+        """Publishes refused ``busy``: their user held its bound of unread ones."""
 
     @property
     def published(self) -> int:
@@ -106,16 +121,55 @@ class Producer:
             else self.config.peer_lease_s
         )
         key = (req.engine_id, req.request_id)
-        held = self._held.setdefault(key, _Held(deadline=0.0, published=True))
-        if not held.published:  # notified before this publish: no longer an early entry
+        before = self._held.get(key)
+        blocks = np.union1d(
+            np.zeros(0, dtype=np.int64) if before is None else before.blocks, ids.astype(np.int64)
+        )
+        self._check_room(engine.owner, before, blocks)
+        held = before
+        if held is None:
+            held = self._held[key] = _Held(deadline=0.0)
+        elif not held.published:  # notified before this publish: no longer an early entry
             self._early -= 1
+        else:
+            self._count(held, -1)  # counted again below, with its blocks (and owner) now
         held.published = True
+        held.owner = engine.owner
         held.deadline = time.monotonic() + lease
-        held.blocks = np.union1d(held.blocks, ids.astype(np.int64))
+        held.blocks = blocks
         held.digest = req.prompt_digest
+        self._count(held, +1)
         self._expired.pop(key, None)
         self._check_sent(key)
         return Ok(id=req.id)
+
+    def _check_room(self, owner: str, before: _Held | None, blocks: I64) -> None:
+        """Refuse (``busy``) a publish that would pass its owner's bounds of unread publishes."""
+        again = before is not None and before.published and before.owner == owner
+        counted = before.blocks.size if before is not None and again else 0
+        requests = self._requests_of[owner] + (0 if again else 1)
+        named = self._blocks_of[owner] + blocks.size - counted
+        why = ""
+        if requests > MAX_PUBLISHED_PER_OWNER:
+            why = f"{MAX_PUBLISHED_PER_OWNER} published requests"
+        elif named > MAX_PUBLISHED_BLOCKS_PER_OWNER:
+            why = f"{MAX_PUBLISHED_BLOCKS_PER_OWNER} published block ids"
+        if why:
+            self.publishes_refused_total += 1
+            raise SidecarError(
+                "busy",
+                f"the engines of {owner} hold {why} nobody has read yet (the bound per user); "
+                "they are released as their readers come or their leases end",
+            )
+
+    def _count(self, held: _Held, sign: int) -> None:
+        """Count a published request's blocks for its owner (``sign`` -1: uncount them)."""
+        if not held.published:
+            return
+        for counter, n in ((self._requests_of, 1), (self._blocks_of, int(held.blocks.size))):
+            counter[held.owner] += sign * n
+            if counter[held.owner] <= 0:
+                del counter[held.owner]
 
     def on_notify(self, msg: Notify) -> None:
         """Count a consumer rank's read of one producer rank; release the request when all read."""
@@ -167,6 +221,7 @@ class Producer:
         held = self._held.pop(key)
         if not held.published:
             self._early -= 1
+        self._count(held, -1)
 
     def _expire(self, key: tuple[str, str]) -> None:
         self.leases_expired_total += 1

@@ -208,10 +208,18 @@ def test_check_config_unreadable_file_exits_3(tmp_short: Path, what: str) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_bad_flag_is_a_usage_error() -> None:
-    result = kvsidecar("check-config", "--copy-threads", "many")
+def test_bad_flag_is_a_usage_error_and_a_bad_value_a_configuration_error() -> None:
+    """An unknown flag is a usage error (2); a setting's bad value is refused as it is from the
+    environment or a file (3). Each in one line."""
+    result = kvsidecar("check-config", "--copy-threadz", "2")
     assert result.returncode == 2
-    assert "invalid int value" in result.stderr
+    assert result.stderr.count("\n") == 1 and "--copy-threadz" in result.stderr
+    result = kvsidecar("check-config", "--copy-threads", "many")
+    assert result.returncode == EXIT_CONFIG
+    assert result.stderr == (
+        "kvsidecar: invalid configuration: copy_threads from --copy-threads: 'many' is not an "
+        "integer\n"
+    )
 
 
 # ------------------------------------------------------------------------------ status

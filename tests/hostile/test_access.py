@@ -26,12 +26,14 @@ import pytest
 import zmq
 
 from kvsidecar.peer.messages import PeerError, PeerReply, ReadBlocks, ReadData
+from kvsidecar.peer.producer import MAX_PUBLISHED_PER_OWNER
 from kvsidecar.wire.curve import load_keypair
 from kvsidecar.wire.protocol import (
     Collect,
     Error,
     FixLayout,
     Grant,
+    Heartbeat,
     HostAlloc,
     HostFree,
     Move,
@@ -430,3 +432,70 @@ def test_status_describes_the_senders_own_engines_and_an_administrator_sees_all(
         every = admin.call(Status(id=_rid()))
     assert isinstance(every, StatusReply)
     assert {"evil", "decode"} <= {e.engine_id for e in every.engines}
+
+
+def test_heartbeat_answers_only_about_the_senders_own_engines(scene: Scene) -> None:
+    """Another uid's heartbeat naming root's worker is answered as if no such engine existed,
+    and renews nothing; root's own and the administrator's heartbeats are served."""
+    victim = WorkerRef("decode")
+
+    def lease_left() -> float:
+        with Raw(scene.daemon.config.endpoint) as admin:
+            every = admin.call(Status(id=_rid()))
+        assert isinstance(every, StatusReply)
+        (engine,) = [e for e in every.engines if e.engine_id == "decode"]
+        return engine.workers[0].lease_left_s
+
+    time.sleep(1.0)  # the victim's lease (60 s) is visibly running down
+    before = lease_left()
+    assert before < 59.5, before
+    probe = scene.intruder.send(Heartbeat(id=_rid(), workers=[victim]))
+    nothing = scene.intruder.send(Heartbeat(id=_rid(), workers=[WorkerRef("no-such-engine")]))
+    assert probe["type"] == "error" and probe["code"] == nothing["code"], (probe, nothing)
+    assert probe["reply"]["message"] == nothing["reply"]["message"].replace(
+        "no-such-engine", "decode"
+    ), (probe, nothing)
+    assert lease_left() <= before, "another uid's heartbeat renewed root's lease"
+    # Its own worker, and several at once: renewed (the control case).
+    mine = scene.intruder.send(Heartbeat(id=_rid(), workers=[WorkerRef("evil")]))
+    assert mine["type"] == "ok", mine
+    both = scene.intruder.send(Heartbeat(id=_rid(), workers=[WorkerRef("evil"), victim]))
+    assert both["type"] == "error", both  # all or none
+    assert isinstance(scene.call(Heartbeat(id=_rid(), workers=[victim])), Ok)
+    assert lease_left() > 59.0
+
+
+def test_refusals_do_not_name_another_users_engines_owner(scene: Scene) -> None:
+    """A refused command tells its sender what it may not do, not who holds the engine."""
+    mover = Move(
+        id=_rid(), src=BufferSetRef(WorkerRef("decode")), dst=BufferSetRef(WorkerRef("evil"))
+    )
+    outs = [
+        scene.intruder.send(mover, ids(1), ids(1)),
+        scene.intruder.register("decode"),
+        scene.intruder.send(
+            Pull(
+                id=_rid(),
+                engine_id="evil",
+                remote_endpoint="",
+                remote_engine_id="decode",
+                items=[PullItem("r", 1, 1)],
+            ),
+            ids(1),
+            ids(1),
+        ),
+    ]
+    for out in outs:
+        assert out["type"] == "error", out
+        assert f"uid:{os.geteuid()}" not in json.dumps(out), out
+
+
+def test_one_users_unread_publishes_are_bounded_and_leave_others_theirs(scene: Scene) -> None:
+    """``nobody`` publishes more requests than one user may hold unread: the ones past the
+    bound are refused ``busy`` (its engine would free their blocks), and root's engine still
+    publishes."""
+    out = scene.intruder.ask(
+        op="publish_many", engine="evil", count=MAX_PUBLISHED_PER_OWNER + 50, blocks=[1, 2]
+    )
+    assert out["counts"] == {"ok": MAX_PUBLISHED_PER_OWNER, "busy": 50}, out
+    _publish(scene, "root-still-publishes", [3])

@@ -29,7 +29,7 @@ FLOAT_SETTINGS = [s.name for s in SETTINGS if s.type is float]
 @pytest.mark.parametrize("name", FLOAT_SETTINGS)
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_a_non_finite_setting_is_refused(name: str, value: float) -> None:
-    with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+    with pytest.raises(ConfigError, match=f"{name} must be a number from"):
         make_config(**{name: value})
 
 
@@ -42,7 +42,7 @@ def test_serve_with_an_infinite_lease_exits_with_one_line() -> None:
         check=False,
     )
     assert done.returncode != 0
-    assert "lease_s must be a finite number" in done.stderr
+    assert "lease_s must be a number from 0.01 to 86400, not inf" in done.stderr
     assert "Traceback" not in done.stderr
 
 

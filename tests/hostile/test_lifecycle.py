@@ -10,6 +10,7 @@ the daemon must not chmod, or bind its sockets in, whatever the link points to.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import stat
@@ -23,13 +24,14 @@ import pytest
 
 from kvsidecar.node.config import Config
 from kvsidecar.wire.protocol import Status, StatusReply
-from tests.support import ROOT
+from tests.support import ROOT, python_env
 from tests.support.daemons import config_env, daemon_process, make_config
 from tests.support.raw import Raw
 
 pytestmark = pytest.mark.timeout(120)
 
 SERVE = [sys.executable, "-m", "kvsidecar.cli", "serve"]
+CLIENT = [sys.executable, "-m", "tests.procs.uid_client"]
 NOBODY = 65534
 
 
@@ -69,6 +71,51 @@ def test_refused_second_serve_leaves_the_live_daemon_reachable() -> None:
         assert stat.S_ISSOCK(os.lstat(cfg.ipc_path or "").st_mode), "control socket deleted"
         assert stat.S_ISSOCK(os.lstat(cfg.fd_socket).st_mode), "fd socket deleted"
         assert _reachable(cfg.endpoint), "a new client cannot reach the live daemon"
+        assert live.proc.poll() is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_refused_second_serve_leaves_the_live_daemons_directory_as_it_is() -> None:
+    """The live daemon's directory opened up for another allowed uid (0711, sockets 0666): a
+    refused second ``serve`` must not re-mode it, nor touch its sockets or lock file, so that
+    the other uid still reaches the live daemon."""
+    config = make_config(allowed_uids=f"{os.geteuid()},{NOBODY}")
+    with daemon_process(config) as live:
+        cfg = live.config
+        paths = [cfg.runtime_dir, cfg.ipc_path or "", cfg.fd_socket]
+        os.chmod(paths[0], 0o711)
+        for sock in paths[1:]:
+            os.chmod(sock, 0o666)
+        lock = os.path.join(cfg.runtime_dir, "daemon.lock")
+        before = {p: os.lstat(p) for p in [*paths, lock]}
+        listing = sorted(os.listdir(cfg.runtime_dir))
+        second = _serve_once(config_env(cfg))
+        assert second.returncode != 0, second.stderr[-2000:]
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert lines and "already serves" in lines[-1], second.stderr[-2000:]
+        after = {p: os.lstat(p) for p in before}
+        for path, st in before.items():
+            was = (stat.S_IMODE(st.st_mode), st.st_ino, st.st_uid, st.st_mtime_ns)
+            now = (
+                stat.S_IMODE(after[path].st_mode),
+                after[path].st_ino,
+                after[path].st_uid,
+                after[path].st_mtime_ns,
+            )
+            assert was == now, f"{path}: {was} -> {now}"
+        assert sorted(os.listdir(cfg.runtime_dir)) == listing
+        out = subprocess.run(
+            [*CLIENT, str(NOBODY), cfg.endpoint, cfg.fd_socket],
+            cwd=ROOT,
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        reached = json.loads(out.stdout.strip().splitlines()[-1])
+        assert (reached["zmq"], reached["fd"]) == ("HelloReply", "open"), reached
         assert live.proc.poll() is None
 
 

@@ -1,15 +1,16 @@
-"""The mixed attack: five hostile processes at once while 8 honest workers move and report.
+"""The mixed attack: six hostile processes at once while 8 honest workers move and report.
 
 A flooder (4 DEALERs sending status, garbage, oversize frames and forbidden moves, never
 reading), an fd hoarder (hundreds of fd-channel connections, thousands of unclaimed fds, half-open
 connections, reconnecting throughout), a slow reader (requests whose replies it never reads), a
 shrinking worker (registers an unsealed memfd and truncates it under the daemon's mapping, then
-asks for moves out of it) and an endpoint-spelling flooder (pulls naming the daemon's own peer
-endpoint in ever new spellings, and dead ports, 16 at a time) attack one daemon process for
-``KVSIDECAR_MIXED_S`` seconds (default 60). Meanwhile 8 worker processes (TP ranks of engine
-``honest``, `tests.procs.fault_worker` in ``verify`` mode) move their blocks device -> host ->
-device and check every element against what they wrote, and report each step's request as
-finished; the test, as the scheduler, collects.
+asks for moves out of it), a pin-and-store client (pins its whole cache namespace, then stores
+thousands of new keys at a time, none of which finds a slot) and an endpoint-spelling flooder
+(pulls naming the daemon's own peer endpoint in ever new spellings, and dead ports, 16 at a time)
+attack one daemon process for ``KVSIDECAR_MIXED_S`` seconds (default 60). Meanwhile 8 worker
+processes (TP ranks of engine ``honest``, `tests.procs.fault_worker` in ``verify`` mode) move
+their blocks device -> host -> device and check every element against what they wrote, and
+report each step's request as finished; the test, as the scheduler, collects.
 
 A calm phase of ``BASELINE_S`` comes first, with the same workers and scheduler, so that the
 figures under attack have a baseline from the same run. It ends with every honest command
@@ -47,6 +48,8 @@ BASELINE_S = 10.0
 """The same workers and scheduler without attackers first: the round trips to compare with."""
 SHRINKER = os.environ.get("KVSIDECAR_MIXED_SHRINKER", "1") != "0"
 RANKS = 8
+PINNED_SLOTS = 8192
+"""The pin-and-store client's namespace: every slot stored and pinned before its stores begin."""
 
 pytestmark = pytest.mark.timeout(int(DURATION_S) + 360)
 
@@ -69,6 +72,13 @@ def _attackers(endpoint: str, fd_socket: str, peer_endpoint: str) -> list[Attack
             "reconnect_s": DURATION_S,
         },
         {"attack": "slow_reader", "endpoint": endpoint, "rate": 200.0},
+        {
+            "attack": "pin_and_store",
+            "endpoint": endpoint,
+            "fd_socket": fd_socket,
+            "slots": PINNED_SLOTS,
+            "keys": 4096,
+        },
     ]
     if SHRINKER:
         specs.append({"attack": "shrinker", "endpoint": endpoint, "fd_socket": fd_socket})
@@ -176,6 +186,9 @@ def test_mixed_attack(tmp_path: Path) -> None:
     (tmp_path / "mixed_attack.json").write_text(json.dumps(figures, indent=2, default=str))
     print(f"\nmixed attack ({tmp_path / 'mixed_attack.json'}):\n{json.dumps(figures, default=str)}")
     _check(workers, finished, reached, run, daemon_alive)
+    pinner = results["pin_and_store"]
+    assert pinner["pinned"]["hits"] == PINNED_SLOTS, pinner  # the attack ran as meant
+    assert pinner["stores"] > 0 and set(pinner["replies"]) == {"cache_stored"}, pinner
 
 
 def _check(

@@ -30,6 +30,9 @@ one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
   peer endpoint asking for NIXL and no request at all, and, if the welcome carries NIXL metadata,
   READs the first layer of ``engine``'s first rank whole (published or not) with a NIXL agent of
   its own. The result has the bytes read (hex), or None.
+- ``pin_and_store``: registers a sealed memfd as a KV cache, stores ``slots`` keys into a cache
+  namespace of that size, pins every one of them (a lookup with a long pin), then stores
+  ``keys`` new keys at a time, one store after another: none finds a slot to evict.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from kvsidecar.peer.messages import (
     PeerReply,
     PeerWelcome,
 )
+from kvsidecar.wire.cache import CacheLookup, CacheStore
 from kvsidecar.wire.curve import load_keypair, secure_client_socket
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Collect, Heartbeat, Move, Register, Status
 from kvsidecar.wire.pulls import Pull, PullItem
@@ -219,6 +223,18 @@ def _connect_unix(path: str) -> socket.socket | None:
     return sock
 
 
+def _connect_patiently(path: str, within_s: float = 20.0) -> socket.socket:
+    """Connect to the fd channel, again while a flood of others makes a connect time out."""
+    deadline = time.monotonic() + within_s
+    while True:
+        sock = _connect_unix(path)
+        if sock is not None:
+            return sock
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not connect to {path} in {within_s} s")
+        time.sleep(0.05)
+
+
 def _hung_up(sock: socket.socket) -> bool:
     """Whether the other end closed (after whatever it sent last, e.g. a 408)."""
     try:
@@ -333,8 +349,7 @@ def shrinker(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
     os.ftruncate(memfd, nbytes)
     with mmap.mmap(memfd, nbytes) as mem:
         mem[:] = b"\x01" * nbytes
-    fd_sock = _connect_unix(spec["fd_socket"])
-    assert fd_sock is not None
+    fd_sock = _connect_patiently(spec["fd_socket"])
     token = os.urandom(16)
     send_fds(fd_sock, token, [memfd])
     sock = ctx.socket(zmq.DEALER)
@@ -508,6 +523,83 @@ def _nixl_read_layer(welcome: PeerWelcome, addr: int, desc: BufferDescriptor) ->
     return None
 
 
+def _call(sock: zmq.Socket[Any], frames: list[bytes], timeout_s: float = 30.0) -> dict[str, Any]:
+    """Send one request and return its reply (matched by id; earlier late ones are skipped)."""
+    rid = msgspec.msgpack.decode(frames[0])["id"]
+    sock.send_multipart(frames)
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        out: dict[str, Any] = msgspec.msgpack.decode(sock.recv_multipart()[0])
+        if out.get("id") == rid:
+            return out
+    return {"type": "no reply"}
+
+
+def pin_and_store(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    nbytes = 64 * 4096  # 64 blocks of 4 KiB (`_raw_register`)
+    memfd = os.memfd_create("pinner", os.MFD_ALLOW_SEALING)
+    os.ftruncate(memfd, nbytes)
+    fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    fd_sock = _connect_patiently(spec["fd_socket"])
+    token = os.urandom(16)
+    send_fds(fd_sock, token, [memfd])
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec["endpoint"])
+    engine = spec.get("engine", "pinner")
+    registered = _raw_register(sock, engine, nbytes, token)
+    worker = WorkerRef(engine)
+    slots, per_store = spec["slots"], spec["keys"]
+
+    def keys(first: int, n: int) -> bytes:
+        return b"".join((first + i).to_bytes(8, "little") * 4 for i in range(n))
+
+    def store(first: int, n: int, rid: int, capacity: int = 0) -> dict[str, Any]:
+        msg = CacheStore(
+            id=rid,
+            source=BufferSetRef(worker, "device"),
+            fingerprint="pinner",
+            capacity_bytes=capacity,
+        )
+        ids = (np.arange(n, dtype=np.int64) % 64).tobytes()
+        return _call(sock, [ENC.encode(msg), keys(first, n), ids])
+
+    filled = store(0, slots, 1, capacity=slots * 4096 + 4096)
+    lookup = CacheLookup(id=2, fingerprint="pinner", pin_s=3600.0)
+    pinned = _call(sock, [ENC.encode(lookup), keys(0, slots)])
+    print("ready", flush=True)
+    replies: dict[str, int] = {}
+    dropped = stores = 0
+    worst_s = 0.0
+    last_beat = time.monotonic()
+    deadline = last_beat + spec.get("seconds", 3600)
+    i = 2
+    while time.monotonic() < deadline and not _stop_requested():
+        i += 1
+        if time.monotonic() - last_beat > 1.0:  # keep the lease, and with it the pins' worker
+            last_beat = time.monotonic()
+            _call(sock, [ENC.encode(Heartbeat(id=i, workers=[worker]))])
+            continue
+        t0 = time.monotonic()
+        out = store(slots + i * per_store, per_store, i)
+        worst_s = max(worst_s, time.monotonic() - t0)
+        key = out.get("code") or out.get("type", "?")
+        replies[key] = replies.get(key, 0) + 1
+        stores += 1
+        dropped += int(out.get("dropped", 0))
+    fd_sock.close()
+    os.close(memfd)
+    return {
+        "registered": registered.get("type") if isinstance(registered, dict) else registered,
+        "filled": {k: filled.get(k) for k in ("type", "code", "stored", "dropped")},
+        "pinned": {k: pinned.get(k) for k in ("type", "code", "hits", "pin_id")},
+        "stores": stores,
+        "keys_dropped": dropped,
+        "slowest_store_s": round(worst_s, 3),
+        "replies": replies,
+    }
+
+
 ATTACKS = {
     "control_flood": control_flood,
     "many_connections": many_connections,
@@ -518,6 +610,7 @@ ATTACKS = {
     "shrinker": shrinker,
     "endpoint_flood": endpoint_flood,
     "nixl_read": nixl_read,
+    "pin_and_store": pin_and_store,
 }
 
 

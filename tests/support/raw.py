@@ -137,9 +137,10 @@ def register_fd(
     tp_rank: int = 0,
     tp_size: int = 1,
     blocks: int = 16,
+    block_size: int = 4,
 ) -> tuple[Reply, socket.socket]:
     """Register one worker over ``fd`` (its size fits `kv_descriptor`); the fd connection too."""
-    desc, nbytes = kv_descriptor(blocks)
+    desc, nbytes = kv_descriptor(blocks, block_size)
     token = os.urandom(16)
     conn = send_fds_raw(fd_path, token, [fd])
     msg = register_msg(

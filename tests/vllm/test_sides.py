@@ -1008,3 +1008,71 @@ def test_a_cache_larger_than_dev_shm_is_refused_before_anything_moves() -> None:
     assert "--shm-size" in result["error"]
     fits = _in_small_shm("32m", sys.executable, "-m", "tests.procs.small_shm", "16")
     assert json.loads(fits.stdout.strip().splitlines()[-1]) == {"error": "", "shared": True}
+
+
+# ------------------------------------------------------- hand-overs nobody reads hold a bound
+
+
+def _connected(side: SchedulerSide) -> bool:
+    client = side.conn.get()
+    return client is not None and client.daemon is not None
+
+
+def test_hand_overs_nobody_reads_hold_at_most_max_held_blocks(daemon: DaemonProcess) -> None:
+    """An API client asks a prefill engine of 16 blocks for hand-overs (``do_remote_decode``)
+    and never reads them: the engine holds at most half its blocks for them (the default
+    ``max_held_blocks``), a request past it is not handed over (its blocks freed at once,
+    counted ``ignored:held``), and once a consumer reads one, its room comes back."""
+    producer, _ = worker(daemon, "prod")
+    consumer, _ = worker(daemon, "cons")
+    settings = ConnectorSettings(endpoint=daemon.config.endpoint)
+    side = scheduler(settings, role="kv_producer", engine_id="prod", block_size=32, num_blocks=16)
+    side.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not _connected(side) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def finish(rid: str, first: int) -> Any:
+            prompt = list(range(first, first + 128))  # 4 blocks of 32 tokens
+            req = Req(rid, [], 128, {"do_remote_decode": True}, prompt=prompt)
+            blocks = [first // 128 * 4 + i for i in range(4)]
+            return side.request_finished(req, blocks, num_computed_tokens=128, capped=True)
+
+        handed = [finish(f"unread-{i}", i * 128) for i in range(2)]
+        assert all(held and params for held, params in handed), handed
+        assert finish("past-the-bound", 1024) == (False, None)  # 8 + 4 > 8: freed, not held
+        assert side.counters == {"ignored:held": 1}
+        assert side.held_blocks == 8
+        plan = side.build([], [], ["unread-0", "unread-1", "past-the-bound"])
+        assert plan.sends == ["unread-0", "unread-1"] and "past-the-bound" in plan.freed
+        producer.store(plan)
+        with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+            assert c.status().published_requests == 2
+        # A consumer reads one: vLLM reports it sent (aggregated over the producer's workers),
+        # its blocks are freed, and the next hand-over fits again.
+        params = handed[0][1]
+        pull = PullSpec(
+            "d-0",
+            "prod",
+            "unread-0",
+            "",
+            params["remote_daemon_id"],
+            params["remote_block_ids"],
+            [8, 9, 10, 11],
+            prompt_digest(list(range(128))),
+        )
+        consumer.start_loads(StepPlan(1, "fp", pulls=[pull]))
+        sent: set[str] = set()
+        while not sent and time.monotonic() < deadline + 10:
+            consumer.finished(idle=True)
+            sent = producer.finished(idle=True)[0]
+        assert sent == {"unread-0"}
+        side.sent(sent)
+        assert side.held_blocks == 4
+        held, params = finish("after-a-read", 2048)
+        assert held and params is not None
+    finally:
+        side.close()
+        producer.close()
+        consumer.close()

@@ -20,8 +20,12 @@ with the same model and layout, and a restarted one, finds what the others compu
 A namespace is created by its first store, with the layers (names and descriptors, block count
 aside) of the storing worker; every later store and load must have the same layers
 (``incompatible_buffers``), so a false fingerprint can never make a copy run out of bounds. Its
-blocks live in a buffer set reserved in the host pool: an equal share of ``cache_bytes`` per TP
-rank, as far as the pool has room. A namespace outlives its engines (a restarted engine finds its
+blocks live in a buffer set reserved in the host pool: an equal share of its owner's room per TP
+rank, as far as there is room. **No owner takes the room another needs**: an owner's namespaces
+together hold at most its share of ``cache_bytes`` (an equal share per allowed uid), and count
+with its host mirrors against its host-pool quota (``host_pool_user_bytes``, by default the
+pool's share per allowed uid); a new namespace of an owner at its bound first takes the room of
+that owner's own idle namespaces. A namespace outlives its engines (a restarted engine finds its
 blocks); it goes when its room is needed for a new one and none of its workers is registered.
 When the namespaces in use leave a new one less than an equal share of ``cache_bytes``, those
 holding more are made again at an equal share, empty (a new model or a cache reset on the node).
@@ -110,6 +114,10 @@ class Namespace:
         """Bytes its buffer set holds."""
         return self.buffers.nbytes
 
+
+MAX_NAMESPACES_PER_OWNER = 1024
+"""Cache namespaces one owner may hold: an engine holds one per TP rank and model, so an honest
+owner stays far below; past it its idle ones are dropped for a new one, else it is refused."""
 
 MAX_PINS_PER_OWNER = 4096
 """Live pins one owner may hold, all its namespaces together: a lookup past it is answered
@@ -291,17 +299,39 @@ class PrefixCache:
         block_bytes = sum(layout.block_bytes(d) for d in layers.values())
         if asked < 0:
             raise SidecarError("invalid_message", f"capacity_bytes {asked} < 0")
-        share = asked or self.config.cache_bytes // max(tp_size, 1)
+        owner = key[0]
+        cap = self.config.user_cache_bytes
+        share = min(asked or cap // max(tp_size, 1), cap)
         share = max(share, block_bytes + 4096 * len(layers))
-        self._make_room(share)
+        self._make_room(share, owner)
         self._share_room(share)
-        left = self.config.cache_bytes - self.state().capacity_bytes
-        budget = min(share, left, self.pool.free_bytes)  # the pool: mirrors use it too
-        buffers, blocks = self._buffers(key, layers, block_bytes, budget)
+        room, bound = self._room_for(owner)
+        buffers, blocks = self._buffers(key, layers, block_bytes, min(share, room), bound)
         ns = Namespace(key, buffers, layers, CacheIndex(blocks), block_bytes)
         self.namespaces[key] = ns
         log.info("cache namespace %s/%s rank %d: %d blocks", key[0], key[1][:16], key[2], blocks)
         return ns
+
+    def _owned(self, owner: str) -> list[Namespace]:
+        return [ns for ns in self.namespaces.values() if ns.key[0] == owner]
+
+    def _room_for(self, owner: str) -> tuple[int, str]:
+        """Bytes a new namespace of ``owner`` may take now, and the bound that gives them.
+
+        The least of: what ``cache_bytes`` has left, what the owner's share of it has left
+        (its namespaces together), what its host-pool quota has left (its host mirrors and its
+        namespaces together), and what the pool has free.
+        """
+        assert self.pool is not None
+        config = self.config
+        owned = sum(ns.capacity_bytes for ns in self._owned(owner))
+        bounds = [
+            (config.cache_bytes - self.state().capacity_bytes, "of cache_bytes"),
+            (config.user_cache_bytes - owned, f"of {owner}'s share of cache_bytes"),
+            (config.user_pool_bytes - self.pool.used_by(owner), f"of {owner}'s host-pool quota"),
+            (self.pool.free_bytes, "free in the host pool"),
+        ]
+        return min(bounds)
 
     def _buffers(
         self,
@@ -309,20 +339,24 @@ class PrefixCache:
         layers: dict[str, BufferDescriptor],
         block_bytes: int,
         budget: int,
+        bound: str = "left",
     ) -> tuple[BufferSet, int]:
-        """Reserve as many blocks of ``layers`` as ``budget`` bytes hold, in the host pool."""
+        """Reserve as many blocks of ``layers`` as ``budget`` bytes hold, in the host pool.
+
+        The bytes count against the namespace's owner in the pool (its quota).
+        """
         assert self.pool is not None
         # Each layer starts on a 4 KiB boundary (`host_buffer_set`): keep room for the padding.
         blocks = (budget - 4096 * len(layers)) // block_bytes
         if blocks < 1:
             raise SidecarError(
                 "pool_exhausted",
-                f"no room for a cache namespace: {budget} bytes of cache_bytes left, blocks of "
+                f"no room for a cache namespace: {max(budget, 0)} bytes {bound}, blocks of "
                 f"{block_bytes} bytes",
             )
         descs = [(n, msgspec.structs.replace(d, num_blocks=blocks)) for n, d in layers.items()]
         name = WorkerRef(f"cache:{key[0]}:{key[1][:16]}", tp_rank=key[2])
-        return host_buffer_set(self.pool, (name, "cache"), descs), blocks
+        return host_buffer_set(self.pool, (name, "cache"), descs, owner=key[0]), blocks
 
     def _share_room(self, need: int) -> None:
         """Shrink the namespaces in use that hold more than an equal share, for a new one.
@@ -363,8 +397,14 @@ class PrefixCache:
                 dropped,
             )
 
-    def _make_room(self, need: int) -> None:
-        """Drop idle namespaces, least recently used first, until ``need`` bytes are free."""
+    def _make_room(self, need: int, owner: str) -> None:
+        """Drop idle namespaces, least recently used first, so that ``need`` bytes fit.
+
+        First ``owner``'s own, until its share of ``cache_bytes``, its host-pool quota and its
+        count of namespaces leave room for one more; then anyone's, until ``cache_bytes`` has
+        ``need`` free. A namespace in use (a copy, a pin or a registered worker) is never
+        dropped here.
+        """
         registered = self.registry.workers
         for ref in [r for r in self.current if r not in registered]:
             space = self.namespaces.get(self.current.pop(ref))
@@ -378,12 +418,34 @@ class PrefixCache:
             ),
             key=lambda ns: ns.last_used,
         )
+        for ns in [n for n in idle if n.key[0] == owner]:
+            if self._owner_has_room(owner, need):
+                break
+            self._drop(ns)
+        if len(self._owned(owner)) >= MAX_NAMESPACES_PER_OWNER:
+            raise SidecarError(
+                "pool_exhausted",
+                f"{owner} holds {MAX_NAMESPACES_PER_OWNER} cache namespaces in use (the limit)",
+            )
         for ns in idle:
             if self.config.cache_bytes - self.state().capacity_bytes >= need:
                 return
-            del self.namespaces[ns.key]
-            ns.buffers.close()
-            log.info("cache namespace %s/%s rank %d dropped for room", *ns.key)
+            if ns.key in self.namespaces:
+                self._drop(ns)
+
+    def _owner_has_room(self, owner: str, need: int) -> bool:
+        assert self.pool is not None
+        owned = self._owned(owner)
+        return (
+            len(owned) < MAX_NAMESPACES_PER_OWNER
+            and sum(n.capacity_bytes for n in owned) + need <= self.config.user_cache_bytes
+            and self.pool.used_by(owner) + need <= self.config.user_pool_bytes
+        )
+
+    def _drop(self, ns: Namespace) -> None:
+        del self.namespaces[ns.key]
+        ns.buffers.close()
+        log.info("cache namespace %s/%s rank %d dropped for room", *ns.key)
 
 
 def worker_of(registry: Registry, ref: WorkerRef, epoch: int, medium: str) -> Worker:

@@ -228,8 +228,12 @@ class AccessControl:
         if engine is not None and engine.owner != who.user:
             raise SidecarError(
                 "forbidden",
-                f"engine {engine_id!r} belongs to {engine.owner}; {who.user} may not join it",
+                f"engine {engine_id!r} is another user's; {who.user} may not join it",
             )
+
+    def owns(self, who: Principal, engine: Engine) -> bool:
+        """Whether ``who`` may be told about ``engine``: its owner's user, or an administrator."""
+        return who.admin or engine.owner == who.user
 
     def same_user(self, who: Principal, engine_id: str) -> bool:
         """Return whether ``who`` is the user that registered ``engine_id``.
@@ -238,7 +242,7 @@ class AccessControl:
         its own precise error).
         """
         engine = self._lookup(engine_id)
-        return engine is None or who.admin or engine.owner == who.user
+        return engine is None or self.owns(who, engine)
 
     def check_same_user(self, who: Principal, engine_id: str, what: str) -> None:
         """Raise ``forbidden`` unless ``who`` is the user that registered ``engine_id`` (or admin).
@@ -250,8 +254,7 @@ class AccessControl:
         if engine is None or self.same_user(who, engine_id):
             return
         raise SidecarError(
-            "forbidden",
-            f"{what}: engine {engine_id!r} belongs to {engine.owner}, not to {who.user}",
+            "forbidden", f"{what}: engine {engine_id!r} is not an engine of {who.user}"
         )
 
     def check_owner(self, who: Principal, engine_id: str, what: str) -> None:
@@ -262,7 +265,11 @@ class AccessControl:
 
 
 def authorize(acl: AccessControl, who: Principal, req: Request) -> None:
-    """Raise ``forbidden`` unless ``who`` may do ``req`` (hello, status and heartbeat: anyone)."""
+    """Raise ``forbidden`` unless ``who`` may do ``req``.
+
+    Hello, status and heartbeat are anyone's: status and heartbeat answer about the sender's
+    own user's engines only (`AccessControl.owns`).
+    """
     match req:
         case Hello() | Status() | Heartbeat():
             return

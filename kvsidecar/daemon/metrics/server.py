@@ -152,12 +152,18 @@ class MetricsServer:
         self._loop = asyncio.get_running_loop()
         self._last_tick = self._loop.time()
         # The stream limit bounds how much of a request head is ever buffered.
-        self._server = await asyncio.start_server(
-            self._handle,
-            self._host,
-            self._requested_port,
-            limit=self._max_request_bytes,
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._handle,
+                self._host,
+                self._requested_port,
+                limit=self._max_request_bytes,
+            )
+        except OSError as exc:  # a name that does not resolve, an address not ours, a port taken
+            raise SystemExit(
+                f"kvsidecar: cannot bind the metrics endpoint {self._host}:"
+                f"{self._requested_port}: {exc.strerror or exc}"
+            ) from None
         self._watchdog = asyncio.create_task(self._watch_loop(), name="kvsidecar-loop-watchdog")
 
     async def close(self) -> None:

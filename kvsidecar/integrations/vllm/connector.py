@@ -205,6 +205,7 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prefix_cache=prefix,
                 disaggregated=disaggregated,
                 replicated=bool(getattr(vllm_config.model_config, "use_mla", False)),
+                num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
             )
             self._scheduler.start()
             log.info(
@@ -439,10 +440,18 @@ class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @_guarded(_nothing)
     def update_connector_output(self, connector_output: Any) -> None:
-        """Learn the workers' load outcomes: a request whose load failed stores nothing more."""
+        """Learn the workers' load outcomes and which hand-overs were sent.
+
+        A request whose load failed stores nothing more; a hand-over sent holds no block any
+        more (``max_held_blocks``).
+        """
+        if self._scheduler is None:
+            return
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self._scheduler is not None and isinstance(meta, SidecarWorkerMeta):
+        if isinstance(meta, SidecarWorkerMeta):
             self._scheduler.confirm(meta.outcomes)
+        # Every rank has sent these (vLLM aggregates them): their blocks are freed now.
+        self._scheduler.sent(getattr(connector_output, "finished_sending", None) or ())
 
     @_guarded(_finish_failed)
     def request_finished(

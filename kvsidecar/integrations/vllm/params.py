@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-IgnoredReason = Literal["disabled", "malformed", "inconsistent", "endpoint", "unsupported"]
+IgnoredReason = Literal["disabled", "malformed", "inconsistent", "endpoint", "unsupported", "held"]
 """Why a request's ``kv_transfer_params`` were ignored (the ``reason`` label of the metric):
 
 - ``disabled``: disaggregated prefill is not turned on for this engine (``disaggregated``);
@@ -31,7 +31,9 @@ IgnoredReason = Literal["disabled", "malformed", "inconsistent", "endpoint", "un
   sizes, cache layouts);
 - ``endpoint``: the producer's daemon is neither this engine's nor one of its ``peers``;
 - ``unsupported``: a request this connector does not hand over (multimodal inputs, prompt
-  embeddings).
+  embeddings);
+- ``held``: a prefill not handed over because its engine holds its bound of blocks for
+  hand-overs nobody has read yet (``max_held_blocks``).
 """
 IGNORED_REASONS: tuple[IgnoredReason, ...] = (
     "disabled",
@@ -39,6 +41,7 @@ IGNORED_REASONS: tuple[IgnoredReason, ...] = (
     "inconsistent",
     "endpoint",
     "unsupported",
+    "held",
 )
 
 MAX_NAME = 256

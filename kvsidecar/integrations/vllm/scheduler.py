@@ -109,6 +109,7 @@ class SchedulerSide:
         prefix_cache: bool,
         disaggregated: bool = False,
         replicated: bool = False,
+        num_blocks: int = 0,
     ) -> None:
         self.settings = settings
         self.role = role
@@ -140,6 +141,12 @@ class SchedulerSide:
         self._ignored: set[str] = set()
         """Requests counted as ignored and not finished yet."""
         self.publishes = Publishes(self.conn, settings, engine_id)
+        self.max_held_blocks = settings.max_held_blocks or num_blocks // 2
+        """Blocks this engine may hold for hand-overs nobody has read yet (0: no bound known)."""
+        self._handed: dict[str, int] = {}
+        """Requests handed over and not finished sending: the blocks each holds."""
+        self.held_blocks = 0
+        """Their blocks, all together."""
 
     def start(self) -> None:
         """Begin connecting to the daemon (in the background when it does not answer at once)."""
@@ -356,6 +363,7 @@ class SchedulerSide:
         self._building = plan
         plan.idle = not any(s.num_scheduled_tokens for s in scheduled)
         plan.unsent = self.publishes.refused()
+        self.sent(plan.unsent)  # freed by the workers: nobody can read them
         held = set(plan.held)  # their blocks are freed once their stores ended: no fence
         plan.freed = [*preempted, *(rid for rid in finished if rid not in held)]
         for rid in preempted:  # their blocks are gone; re-admission starts over
@@ -406,6 +414,15 @@ class SchedulerSide:
             failed_loads=[*plan.failed_loads, *plan.loads],
             failed_pulls=[*plan.failed_pulls, *plan.pulls],
         )
+
+    def sent(self, request_ids: Iterable[str]) -> None:
+        """Learn that these requests finished sending (vLLM's ``finished_sending``).
+
+        Read or not (a lease that ended, a publish refused): what they held no longer counts
+        against `max_held_blocks`.
+        """
+        for rid in request_ids:
+            self.held_blocks -= self._handed.pop(rid, 0)
 
     def confirm(self, outcomes: Iterable[tuple[int, str, bool]]) -> None:
         """Learn how loads ended, rank by rank (the workers' metadata): ``(rank, request, ok)``.
@@ -477,6 +494,21 @@ class SchedulerSide:
         if client is None or client.daemon is None:
             return None
         blocks = [int(b) for b in block_ids[: -(-num_computed_tokens // self.block_size)]]
+        bound = self.max_held_blocks
+        if bound and self.held_blocks + len(blocks) > bound:
+            # Whoever asks for hand-overs and never reads them must not take the engine's
+            # blocks from everyone else's requests for whole leases.
+            self.ignore(
+                rid,
+                Ignored(
+                    "held",
+                    f"this engine holds {self.held_blocks} blocks for hand-overs nobody has read "
+                    f"yet; {len(blocks)} more would pass max_held_blocks {bound}: freed, not "
+                    "handed over",
+                ),
+            )
+            self._ignored.discard(rid)
+            return None
         digest = prompt_digest(tokens, lora_name=lora_name, cache_salt=salt)
         transfer = {
             "do_remote_prefill": True,
@@ -490,7 +522,11 @@ class SchedulerSide:
             "remote_endpoint": client.daemon.peer_endpoint,
             "remote_daemon_id": client.daemon.daemon_id,
         }
-        return transfer if self.publishes.send(client, rid, blocks, digest) else None
+        if not self.publishes.send(client, rid, blocks, digest):
+            return None
+        self._handed[rid] = len(blocks)
+        self.held_blocks += len(blocks)
+        return transfer
 
     def fail_finished(self, request: RequestView) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished` raised: hold the blocks if they were published or held."""

@@ -65,6 +65,11 @@ class ConnectorSettings:
     """How long a lookup's pin holds cached blocks for the load that follows."""
     lease_s: float = 0.0
     """How long a prefill engine's published blocks wait for their consumer; 0: the daemon's."""
+    max_held_blocks: int = 0
+    """Most KV blocks a prefill engine holds for hand-overs nobody has read yet (requests
+    finished with ``do_remote_decode``, each held until its consumer reads it or its lease
+    ends); a request past it is not handed over: its blocks are freed at once and its consumer
+    computes the prompt. 0: half of the engine's blocks."""
     pull_timeout_s: float = 0.0
     """Bound on a decode engine's pull; 0: the daemon's ``peer_pull_timeout_s``."""
     stats_file: str = ""
@@ -88,7 +93,7 @@ class ConnectorSettings:
         for name in ("store_wait_s", "load_timeout_s", "pin_s"):
             if not getattr(settings, name) > 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be > 0")
-        for name in ("cache_bytes", "lease_s", "pull_timeout_s"):
+        for name in ("cache_bytes", "lease_s", "pull_timeout_s", "max_held_blocks"):
             if getattr(settings, name) < 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be >= 0")
         if not 1 <= settings.store_batch_steps <= MAX_STORE_BATCH_STEPS:

@@ -1,0 +1,92 @@
+"""One user's cache namespaces never take the room another user needs.
+
+A real daemon serves root and ``nobody`` with a host-pool quota per user. ``nobody``, a
+`tests.procs.cache_hog` process, creates as many cache namespaces as it can, asking for more
+room than its quota each time, and pins all of them so that none is idle. Its namespaces must
+stay within its quota, or without one within its share of ``cache_bytes``; root's engine,
+registered afterwards, must then get a namespace of its own and store into it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvsidecar.client import SidecarClient
+from kvsidecar.memory import allocate_kv_caches
+from kvsidecar.wire.protocol import Status, StatusReply
+from tests.support.children import LineChild
+from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.raw import Raw
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid"),
+]
+
+NOBODY = 65534
+QUOTA = 4 << 20
+CACHE = 32 << 20
+
+
+@pytest.fixture(params=[QUOTA, 0], ids=["quota", "shares"])
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    """With a quota per user, and without one: then each of the two uids has half the pool
+    and half of ``cache_bytes``."""
+    config = make_config(
+        allowed_uids=f"{os.geteuid()},{NOBODY}",
+        host_pool_bytes=64 << 20,
+        host_pool_user_bytes=request.param,
+        cache_bytes=CACHE,
+        lease_s=60.0,
+        cache_pin_s=600.0,
+    )
+    with daemon_process(config) as d:
+        os.chmod(config.runtime_dir, 0o711)  # the filesystem layer opened up on purpose
+        os.chmod(config.ipc_path or "", 0o666)
+        os.chmod(config.fd_socket, 0o666)
+        yield d
+
+
+def _namespace_bytes(daemon: DaemonProcess) -> dict[str, int]:
+    """Bytes of cache namespaces per owner, as the administrator's status describes them."""
+    with Raw(daemon.config.endpoint) as admin:
+        status = admin.call(Status(id=1))
+    assert isinstance(status, StatusReply)
+    out: dict[str, int] = {}
+    for ns in status.cache_namespaces:
+        out[ns.owner] = out.get(ns.owner, 0) + ns.capacity_blocks * ns.block_bytes
+    return out
+
+
+def test_one_users_namespaces_leave_another_users_room(daemon: DaemonProcess) -> None:
+    bound = daemon.config.host_pool_user_bytes or CACHE // 2
+    spec = {
+        "uid": NOBODY,
+        "endpoint": daemon.config.endpoint,
+        "engine": "hog",
+        "namespaces": 16,
+        "capacity_bytes": 8 << 20,
+    }
+    hog = LineChild("cache_hog", json.dumps(spec), name="cache hog")
+    try:
+        took = json.loads(hog.line(120))["outcomes"]
+        assert "stored" in took, took  # the attack ran: it got room of its own
+        held = _namespace_bytes(daemon).get(f"uid:{NOBODY}", 0)
+        assert 0 < held <= bound, (held, took)
+        caches = allocate_kv_caches(2, (2, 16, 4, 2, 8), torch.float32)
+        with SidecarClient(daemon.config.endpoint, heartbeat=False, timeout_s=30) as root:
+            root.register_kv_caches(
+                {f"layer{i}": t for i, t in enumerate(caches)}, engine_id="honest"
+            )
+            key = bytes(range(1, 33))
+            stored = root.submit_cache_store("mine", [key], [3], capacity_bytes=1 << 20).result()
+            assert stored.stored == 1, stored
+            assert root.cache_lookup("mine", [key]).hits == 1
+        assert _namespace_bytes(daemon).get(f"uid:{NOBODY}", 0) <= bound
+    finally:
+        hog.stop()
