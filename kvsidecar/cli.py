@@ -130,7 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvsidecar`` console script; returns the exit code."""
+    """Entry point of the ``kvsidecar`` console script; returns the exit code.
+
+    A process that made a NIXL agent (a daemon, a bench) ends here instead, with that code:
+    `kvsidecar.peer.process_exit` says why.
+    """
+    from kvsidecar.peer.process_exit import finish_process
+
+    return finish_process(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -191,13 +191,21 @@ def _daemons(setup: _Setup, plane: Plane) -> Iterator[tuple[SidecarClient, Sidec
     Yields (producer's client, consumer's client, the producer's peer endpoint).
     """
     endpoint = f"tcp://127.0.0.1:{_port()}"
+    # Loopback only, so without CURVE (`insecure`): CurveZMQ would encrypt the zmq plane's data
+    # and compare it with an unencrypted raw stream. Two daemons of one user on one host: NIXL,
+    # which lets each read all of the other's memory, is allowed (`peer_nixl_trusted`).
+    trust: dict[str, Any] = {"peer_nixl_trusted": True} if plane == "nixl" else {}
     with (
-        # Loopback only, so without CURVE (`insecure`): CurveZMQ would encrypt the zmq plane's
-        # data and compare it with an unencrypted raw stream.
-        procs.daemon(peer_endpoint=endpoint, peer_data_plane=plane, insecure=True) as (pep, _),
+        procs.daemon(peer_endpoint=endpoint, peer_data_plane=plane, insecure=True, **trust) as (
+            pep,
+            _,
+        ),
         # The consumer gets a peer endpoint too: without one it starts no NIXL agent.
         procs.daemon(
-            peer_endpoint=f"tcp://127.0.0.1:{_port()}", peer_data_plane=plane, insecure=True
+            peer_endpoint=f"tcp://127.0.0.1:{_port()}",
+            peer_data_plane=plane,
+            insecure=True,
+            **trust,
         ) as (cep, _),
         SidecarClient(pep, timeout_s=120, name="bench-producer") as pc,
         SidecarClient(cep, timeout_s=120, name="bench-consumer") as cc,

@@ -12,6 +12,7 @@ import prometheus_client
 
 from kvsidecar.daemon.server import Daemon
 from kvsidecar.node.config import Config
+from kvsidecar.peer.process_exit import finish_process
 
 config = Config.load(os.environ.get("KVSIDECAR_CONFIG"))
 logging.basicConfig(
@@ -21,4 +22,12 @@ logging.basicConfig(
 )
 # Process-wide, hence in the entry point and not in the library (see kvsidecar.cli).
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-Daemon(config).run()
+
+
+def _serve() -> int:
+    Daemon(config).run()
+    return 0
+
+
+# A daemon that made a NIXL agent leaves without the bundled libraries' exit handlers (they crash).
+sys.exit(finish_process(_serve))

@@ -369,6 +369,9 @@ class Daemon:
             events[("peer", "unreadable")] = peer.unreadable_total
             events[("peer", "notifies_dropped")] = peer.producer.notifies_dropped_total
             events[("peer", "publishes_refused")] = peer.producer.publishes_refused_total
+            events[("peer", "links_evicted")] = peer.links.evicted_total
+            events[("peer", "links_refused")] = peer.links.refused_total
+            events[("peer", "links_passing")] = peer.links.passing_total
         if http is not None:
             events[("metrics", "evicted")] = http.evicted_total
         connections = None if self.control is None else self.control.connections

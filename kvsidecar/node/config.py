@@ -22,7 +22,11 @@ from typing import Any
 from kvsidecar.memory.fd_limits import FdLimits
 from kvsidecar.node.settings import SETTINGS, Setting
 from kvsidecar.wire.curve import KeyFileError, load_authorized_keys, load_keypair
-from kvsidecar.wire.endpoints import control_endpoint, default_runtime_dir
+from kvsidecar.wire.endpoints import (
+    canonical_peer_endpoint,
+    control_endpoint,
+    default_runtime_dir,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -103,6 +107,10 @@ class Config:
     peer_streams: int = 2
     peer_nixl_wakeup_ms: int = 1
     peer_keep_freed_memory: bool = True
+    peers: str = ""
+    peer_max_links: int = 64
+    peer_link_idle_s: float = 300.0
+    peer_nixl_trusted: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     metrics_grace_s: float = 30.0
@@ -173,6 +181,11 @@ class Config:
             raise ConfigError(
                 f"peer_data_plane must be auto, zmq or nixl, got {self.peer_data_plane!r}"
             )
+        for peer in self.peer_list:
+            try:
+                canonical_peer_endpoint(peer)
+            except ValueError as exc:
+                raise ConfigError(f"peers: {peer[:80]!r}: {exc}") from None
         if not _is_host(self.metrics_host):
             raise ConfigError(
                 f"metrics_host must be an IP address or a host name, got {self.metrics_host!r}"
@@ -196,6 +209,11 @@ class Config:
 
     def _check_together(self) -> None:
         """Refuse settings that contradict each other."""
+        if self.peer_data_plane == "nixl" and not self.peer_nixl_trusted:
+            raise ConfigError(
+                "peer_data_plane=nixl needs peer_nixl_trusted: NIXL lets a peer read any of "
+                "this daemon's memory (docs/reliability.md)"
+            )
         if self.max_message_bytes < self.max_header_bytes:
             raise ConfigError("max_message_bytes must be >= max_header_bytes")
         if self.endpoint.startswith("tcp://") and not (self.curve_secret_key or self.insecure):
@@ -266,6 +284,11 @@ class Config:
             unclaimed_s=self.fd_unclaimed_s,
             idle_s=self.fd_unclaimed_s / 3,
         )
+
+    @property
+    def peer_list(self) -> tuple[str, ...]:
+        """The ``peers`` setting as a tuple of endpoints, as written (empty entries dropped)."""
+        return tuple(p.strip() for p in self.peers.split(",") if p.strip())
 
     @property
     def ipc_path(self) -> str | None:

@@ -219,6 +219,41 @@ SETTINGS: tuple[Setting, ...] = (
         "Have glibc keep freed memory for reuse (raised mmap/trim thresholds), so that large "
         "ZeroMQ messages land in warm pages rather than fresh ones.",
     ),
+    Setting(
+        "peers",
+        str,
+        "",
+        "Comma-separated peer endpoints (tcp://host:port) this daemon may pull from; a pull "
+        "naming another is refused (forbidden). Empty: any endpoint that passes the peer "
+        "endpoint rule (docs/operations.md).",
+    ),
+    Setting(
+        "peer_max_links",
+        int,
+        64,
+        "Connections to other daemons held at once, each with its data streams (the configured "
+        "peers come on top); past it the least recently used idle one is closed, or, when all "
+        "are busy, a pull to a new endpoint is refused (busy).",
+        low=1,
+        high=1024,
+    ),
+    Setting(
+        "peer_link_idle_s",
+        float,
+        300.0,
+        "A connection to another daemon that no pull used for this long is closed.",
+        low=0.01,
+        high=DAY,
+    ),
+    Setting(
+        "peer_nixl_trusted",
+        bool,
+        False,
+        "Allow the NIXL data plane. UCX (NIXL's transport) does not confine a peer to the "
+        "blocks a daemon publishes: a daemon that holds another's NIXL metadata can read any of "
+        "its memory (docs/reliability.md). Set it only where every daemon that can reach this "
+        "one is trusted with all of its memory; unset, NIXL is refused (auto uses ZMQ).",
+    ),
     # The metrics endpoint (kvsidecar/daemon/metrics/).
     Setting(
         "metrics_host",

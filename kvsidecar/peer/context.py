@@ -6,9 +6,11 @@ planes, the completion sink and the counters, and nothing else of the service.
 
 `PlaneSet` holds this daemon's data planes by name and its NIXL agent, made at most once. The
 ZMQ plane is always there; the local plane (`kvsidecar.peer.local`) is added by the peer
-service; the NIXL plane once its agent exists (`ensure_nixl`). An agent costs a progress
-thread, UCX workers and registrations, so it is made when first needed, off the event loop, and
-a failure is remembered rather than retried: pulls then use the ZMQ plane.
+service; the NIXL plane once its agent exists (`ensure_nixl`), and only with
+``peer_nixl_trusted``: UCX does not confine a peer connected to our agent to what we registered
+(docs/reliability.md). An agent costs a progress thread, UCX workers and registrations, so it
+is made when first needed, off the event loop, and a failure is remembered rather than retried:
+pulls then use the ZMQ plane.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from kvsidecar.node.config import Config
 from kvsidecar.node.executor import CopyExecutor
 from kvsidecar.node.registry import Registry
 from kvsidecar.peer.link import PeerLink
+from kvsidecar.peer.links import PeerLinks
 from kvsidecar.peer.nixl_plane import NixlPlane
 from kvsidecar.peer.planes import DataPlane
 from kvsidecar.peer.zmq_plane import ZmqPlane
@@ -53,6 +56,10 @@ class PlaneSet:
         # Under the lock, so that concurrent first pulls create one agent between them.
         async with self._lock:
             if self.nixl is not None or self.nixl_error is not None:
+                return
+            if not self.config.peer_nixl_trusted:
+                # UCX lets a connected peer read any of our memory (docs/reliability.md).
+                self.nixl_error = "peer_nixl_trusted is not set"
                 return
             try:
                 # Creating an agent starts threads and UCX workers: keep the loop free meanwhile.
@@ -101,10 +108,10 @@ class PullContext:
     daemon_id: str
     """This daemon's id: sent in the handshake, and how a pull from itself is recognised."""
     planes: PlaneSet
-    link: Callable[[str], PeerLink]
-    """The link to the daemon at an endpoint ("": this daemon itself)."""
-    drop_link: Callable[[str], Coroutine[Any, Any, None]]
-    """Close the link to an endpoint, so that the next pull connects afresh."""
+    links: PeerLinks
+    """The links to other daemons: endpoints checked, links taken and given back."""
+    local_link: PeerLink
+    """The link to this daemon itself (a pull whose endpoint is "")."""
     emit: Callable[[PeerCompletion], None]
     """Where a pull's completion events go."""
     counts: PullCounts

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,10 +40,22 @@ _LINK_HWM = 1024
 _TURN = 16
 """Replies read before the read loop yields to the event loop (a remote that floods replies
 must not hold the loop: a receive that finds a message waiting never yields by itself)."""
+_SUBMIT_TURN_S = 0.005
+"""Longest stretch `PeerLink.read_all` makes and submits chunks before it lets the event loop
+serve others (a pull of millions of ranges makes thousands of chunks)."""
 
 
 class PeerLink:
-    """Connection to one remote peer endpoint, made and shared by `PeerService.link`."""
+    """Connection to one remote peer endpoint, made and shared by `kvsidecar.peer.links`."""
+
+    users = 0
+    """Pulls using the link now (`kvsidecar.peer.links.PeerLinks` counts them)."""
+    last_used = 0.0
+    """When a pull last took or gave back the link (monotonic seconds)."""
+    identity: tuple[str, bytes] | None = None
+    """Who answered its handshake: daemon id and server key (None before the first)."""
+    passing = False
+    """It reached a daemon that another link is kept for: closed once its pulls are done."""
 
     def __init__(
         self,
@@ -52,9 +65,18 @@ class PeerLink:
         *,
         curve: tuple[bytes, KeyPair] | None = None,
         streams: int = 1,
+        max_reply_bytes: int = -1,
+        max_data_frame: int = -1,
     ) -> None:
+        """Connect to ``endpoint``; the data streams connect at the first read.
+
+        ``max_reply_bytes``: largest frame accepted on the control connection (handshake
+        replies); ``max_data_frame``: on a data stream (a read's data). A remote that sends a
+        larger frame is disconnected by libzmq. -1: no bound.
+        """
         self.endpoint = endpoint
         self.closed = False
+        self._max_data_frame = max_data_frame
         self._ctx = ctx
         self._curve = curve
         # Read chunks in flight on this link (shared by every pull to this peer), split between
@@ -68,6 +90,7 @@ class PeerLink:
         # more than was asked for is throttled by TCP instead of growing this daemon's memory.
         self._sock.setsockopt(zmq.SNDHWM, _LINK_HWM)
         self._sock.setsockopt(zmq.RCVHWM, _LINK_HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
         # Fail fast on a dead peer rather than reconnecting into a half-read reply stream.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -91,6 +114,11 @@ class PeerLink:
     def next_id(self) -> int:
         """Return a fresh request id for this link."""
         return next(self._ids)
+
+    @property
+    def server_key(self) -> bytes:
+        """The public key the remote daemon must present (b"" on plain tcp)."""
+        return b"" if self._curve is None else self._curve[0]
 
     @property
     def connected(self) -> bool:
@@ -152,15 +180,21 @@ class PeerLink:
                     window=total // n + (1 if i < total % n else 0),
                     curve=self._curve,
                     name=f"{i}",
+                    max_frame=self._max_data_frame,
                 )
                 for i in range(n)
             ]
         sent: list[tuple[DataStream, Chunk]] = []
         try:
+            turn = time.perf_counter()
             for msg, frames, dests in reads:
                 stream = min(self._streams, key=lambda s: s.in_flight)
                 stream.in_flight += 1
                 sent.append((stream, stream.submit(msg, frames, dests)))
+                if time.perf_counter() - turn > _SUBMIT_TURN_S:
+                    await asyncio.sleep(0)
+                    self._check_usable()
+                    turn = time.perf_counter()
             futures = [chunk.future for _, chunk in sent]
             done, _ = await asyncio.wait(
                 futures, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_EXCEPTION
@@ -230,6 +264,10 @@ class PeerLink:
                 self._connected = False
                 self.lost = True
                 self.fail_all(PeerGone(f"connection to {self.endpoint} lost"))
+                # A lost link is never used again (the next pull connects afresh): no
+                # reconnecting to a dead peer every 100 ms until the link is closed.
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disconnect(self.endpoint)
 
     def fail_all(self, exc: Exception) -> None:
         """Fail every request in flight on this link with ``exc``."""

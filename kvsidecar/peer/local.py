@@ -118,7 +118,8 @@ class LocalPlane(DataPlane):
 
         The same checks as a read served to another node (`kvsidecar.peer.zmq_plane.serve_read`):
         the request is published and within its lease, and every range lies inside the blocks it
-        was published with.
+        was published with. The range check runs with the copy, on a copy thread: its cost grows
+        with the plan, which the event loop must not pay.
         """
         blocks = self._producer.readable(target.engine_id, target.request_id)
         if isinstance(blocks, PeerError):
@@ -129,16 +130,15 @@ class LocalPlane(DataPlane):
         if worker is None:
             raise PeerGone(f"producer rank tp{plan.remote_tp_rank} of {target.engine_id} is gone")
         sources = [worker.device.layers[name] for name in plan.remote_layers]
-        why = check_ranges(plan.ranges, sources, blocks) if len(plan.ranges) else ""
-        if why:
-            raise PeerRefused(PeerError(id=0, code="out_of_range", message=why))
-        rows = plan.ranges.tolist()
-        dests = plan.dest.tolist()
-
         stop = threading.Event()
 
         def copy() -> int:
-            return _copy_ranges(sources, target.local_layers, rows, dests, stop)
+            # In slices: each numpy call holds the GIL, which the event loop waits for.
+            for first in range(0, len(plan.ranges), _ROWS):
+                why = check_ranges(plan.ranges[first : first + _ROWS], sources, blocks)
+                if why:
+                    raise PeerRefused(PeerError(id=0, code="out_of_range", message=why))
+            return _copy_ranges(sources, target.local_layers, plan.ranges, plan.dest, stop)
 
         loop = asyncio.get_running_loop()
         job = self._executor.submit(copy, reads={}, writes={})
@@ -155,13 +155,16 @@ class LocalPlane(DataPlane):
 
 _CHUNK = 4 << 20
 """Bytes a local copy moves between two looks at its stop flag."""
+_ROWS = 1 << 16
+"""Ranges checked, or turned into Python ints, at a time: a plan of millions would take
+gigabytes of ints at once, and one numpy call over all of it would hold the GIL for seconds."""
 
 
 def _copy_ranges(
     sources: list[LayerBuffer],
     targets: list[LayerBuffer],
-    rows: list[list[int]],
-    dests: list[list[int]],
+    ranges: npt.NDArray[np.int64],
+    dest: npt.NDArray[np.int64],
     stop: threading.Event,
 ) -> int:
     """Copy ``(source layer, offset, length)`` rows to ``(target layer, offset)``; bytes moved.
@@ -170,12 +173,73 @@ def _copy_ranges(
     """
     src: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in sources]
     dst: list[npt.NDArray[np.uint8]] = [as_bytes(b) for b in targets]
-    total = 0
-    for (si, so, n), (di, do) in zip(rows, dests, strict=True):
-        for at in range(0, n, _CHUNK):
-            if stop.is_set():
-                raise PeerGone("local copy stopped at the pull's deadline")
-            size = min(_CHUNK, n - at)
-            np.copyto(dst[di][do + at : do + at + size], src[si][so + at : so + at + size])
-        total += n
+    total = since = 0  # bytes copied; since the last look at the stop flag
+    for first in range(0, len(ranges), _ROWS):
+        rows, dests = ranges[first : first + _ROWS], dest[first : first + _ROWS]
+        for r, d in _runs_of_one_pair(rows, dests):
+            n = _record_length(r, d)
+            # Records: a numpy call per _CHUNK bytes, each followed by a look at the flag.
+            for at in range(0, len(r) if n else 0, max(1, _CHUNK // max(n, 1))):
+                if stop.is_set():
+                    raise PeerGone("local copy stopped at the pull's deadline")
+                piece = slice(at, at + max(1, _CHUNK // n))
+                _copy_records(src[int(r[0, 0])], dst[int(d[0, 0])], r[piece], d[piece], n)
+                total += n * len(r[piece])
+            if n:
+                continue
+            for (si, so, n), (di, do) in zip(r.tolist(), d.tolist(), strict=True):
+                for at in range(0, n, _CHUNK):
+                    if since >= _CHUNK:
+                        if stop.is_set():
+                            raise PeerGone("local copy stopped at the pull's deadline")
+                        since = 0
+                    size = min(_CHUNK, n - at)
+                    np.copyto(dst[di][do + at : do + at + size], src[si][so + at : so + at + size])
+                    since += size
+                    total += size
     return total
+
+
+_RECORD_MAX = 64 << 10
+"""Ranges up to this length, all of one length, are copied as records (`_copy_records`)."""
+
+
+def _runs_of_one_pair(
+    rows: npt.NDArray[np.int64], dests: npt.NDArray[np.int64]
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """Cut rows into runs that read one source layer and write one target layer.
+
+    Plans keep a layer's rows together: a run per layer and side.
+    """
+    change = (np.diff(rows[:, 0]) != 0) | (np.diff(dests[:, 0]) != 0)
+    cuts = [0, *(np.flatnonzero(change) + 1).tolist(), len(rows)]
+    return [(rows[a:b], dests[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _record_length(rows: npt.NDArray[np.int64], dests: npt.NDArray[np.int64]) -> int:
+    """Return the length ``n`` of rows that can be copied as ``n``-byte records, else 0.
+
+    They can when they all have one length ``n`` (at most `_RECORD_MAX`) and every offset on
+    both sides is a multiple of it (block rows are, at their row length): the buffers are then
+    arrays of ``n``-byte records, and a copy is one numpy call, not a Python step per row.
+    """
+    n = int(rows[0, 2])
+    if n > _RECORD_MAX or not (rows[:, 2] == n).all():
+        return 0
+    if (rows[:, 1] % n).any() or (dests[:, 1] % n).any():
+        return 0
+    return n
+
+
+def _copy_records(
+    src: npt.NDArray[np.uint8],
+    dst: npt.NDArray[np.uint8],
+    rows: npt.NDArray[np.int64],
+    dests: npt.NDArray[np.int64],
+    n: int,
+) -> None:
+    """Copy rows of `_record_length` ``n`` as one gather and scatter of ``n``-byte records."""
+    record = np.dtype((np.void, n))
+    src_records = src[: src.size // n * n].view(record)
+    dst_records = dst[: dst.size // n * n].view(record)
+    dst_records[dests[:, 1] // n] = src_records[rows[:, 1] // n]

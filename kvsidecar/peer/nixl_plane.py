@@ -11,6 +11,9 @@ remote descriptors (their base address + range offset), polled until done or the
 producer's daemon is not involved per read; the notification goes over the peer connection. The
 transfer is posted from a thread, never from the event loop: over UCX's TCP and shared-memory
 transports posting it moves the bytes.
+
+A process that made an agent leaves through `kvsidecar.peer.process_exit.finish_process`: the
+libraries the NIXL wheel bundles crash in their exit handlers.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvsidecar.peer import process_exit
 from kvsidecar.peer.link import PeerGone
 from kvsidecar.peer.plan import ReadPlan
 from kvsidecar.peer.planes import DataPlane, ReadTarget
@@ -65,6 +69,7 @@ def new_agent(name: str, config: Any, *, wakeup_ms: int = WAKEUP_MS) -> Any:
     """
     from nixl._api import nixl_agent
 
+    process_exit.note_native_libraries()
     module = sys.modules[nixl_agent.__module__]
     native: Any = getattr(module, "nixlBind", None)
     config_type = getattr(native, "nixlAgentConfig", None)

@@ -30,7 +30,7 @@ from kvsidecar.node.config import Config
 from kvsidecar.node.registry import Engine, Registry
 from kvsidecar.peer.messages import Claim, Notify, PeerError, ReadBlocks, Verdict
 from kvsidecar.peer.plan import I64
-from kvsidecar.peer.zmq_plane import serve_read
+from kvsidecar.peer.zmq_plane import CHUNK_RANGES, serve_read
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok
@@ -39,7 +39,9 @@ from kvsidecar.wire.reports import PeerCompletion
 
 log = logging.getLogger("kvsidecar.peer")
 
-_MAX_RANGES = 1 << 20
+_MAX_RANGES = 4 * CHUNK_RANGES
+"""Most ranges one read may name (a consumer sends at most `CHUNK_RANGES`): a read is checked
+and answered in one turn of the event loop, so its size is what that turn costs."""
 _EXPIRED_MEMORY = 4096
 """How many expired request ids are remembered to refuse late reads."""
 _EARLY_NOTIFIES = 4096

@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from kvsidecar.core.mover import check_range, check_unique
+from kvsidecar.memory.base import HandleError
 from kvsidecar.node.config import Config
 from kvsidecar.node.copy_events import ready_of, ready_passed
 from kvsidecar.node.executor import CopyExecutor
@@ -53,6 +54,15 @@ from kvsidecar.wire.pulls import Pull, Pulled, PullItem
 from kvsidecar.wire.reports import PeerCompletion
 
 log = logging.getLogger("kvsidecar.peer")
+
+MAX_PULL_BLOCK_LAYERS = 1 << 23
+"""Most remote blocks times local layers (all receiving ranks together) one pull may name: a
+pull plans about two ranges per block and layer, and its plan's arrays (about 40 bytes a range)
+are held until it ends. Twice a 1024-layer engine's 4096 blocks; a larger pull is refused
+``too_large`` before anything is planned or sent."""
+PLAN_ON_LOOP = 1 << 14
+"""Block-layers planned on the event loop; a larger pull is planned on a thread, so that a pull's
+size never holds the loop (a plan costs about a microsecond per range)."""
 
 
 @dataclass(eq=False)
@@ -84,8 +94,8 @@ def check_pull(
     ``may_read`` decides on the remote engine when the remote daemon is this one.
     """
     engine = ctx.registry.engine(req.engine_id)
-    if req.remote_endpoint and not req.remote_endpoint.startswith(("tcp://", "ipc://")):
-        raise SidecarError("invalid_message", "remote_endpoint must be tcp://, ipc:// or empty")
+    # Its one spelling, if it passes the peer endpoint rule and ``peers`` (kvsidecar.peer.links).
+    endpoint = ctx.links.check(req.remote_endpoint) if req.remote_endpoint else ""
     require_distinct(
         [it.request_id for it in req.items],
         empty="a pull needs at least one item",
@@ -99,6 +109,13 @@ def check_pull(
     ):
         raise SidecarError("length_mismatch", "item id counts do not match the id frames")
     local, ranks = _local_ranks(engine, req, local_ids)
+    block_layers = remote_ids.size * sum(len(r.desc.layers) for r in ranks)
+    if block_layers > MAX_PULL_BLOCK_LAYERS:
+        raise SidecarError(
+            "too_large",
+            f"a pull of {remote_ids.size} blocks into {block_layers // max(remote_ids.size, 1)} "
+            f"layers: at most {MAX_PULL_BLOCK_LAYERS} blocks x layers per pull (split it)",
+        )
     if not math.isfinite(req.timeout_s):
         raise SidecarError(
             "invalid_message", f"timeout_s must be a finite number, not {req.timeout_s}"
@@ -116,7 +133,7 @@ def check_pull(
         )
     ]
     ready = ready_of([r.buffers for r in ranks], req.events)
-    return PeerPull(ctx, req, local, ranks, items, timeout, may_read, ready)
+    return PeerPull(ctx, req, endpoint, local, ranks, items, timeout, may_read, ready)
 
 
 def _local_ranks(
@@ -174,6 +191,8 @@ class PeerPull:
 
     ctx: PullContext
     req: Pull
+    endpoint: str
+    """The remote daemon's endpoint, canonical ("": this daemon itself)."""
     local: PeerEngine
     """This engine as the handshake describes it (for the compatibility check)."""
     ranks: list[LocalRank]
@@ -202,13 +221,27 @@ class PeerPull:
         self.started = loop.time()
         self.deadline = self.started + self.timeout
         self.ctx.counts.pulls += 1
-        link = self.ctx.link(self.req.remote_endpoint)
+        if not self.endpoint:
+            return await self._run(self.ctx.local_link)
+        try:
+            link = self.ctx.links.acquire(self.endpoint)
+        except SidecarError:
+            self._report_failed()
+            raise
+        try:
+            return await self._run(link)
+        finally:
+            self.ctx.links.release(link)
+
+    async def _run(self, link: PeerLink) -> Reply:
         welcome = await self._handshake(link)
         if isinstance(welcome, Pulled):
             return welcome
+        if self.endpoint:
+            self.ctx.links.adopt(link, (welcome.daemon_id, link.server_key))
         remote = self._remote_engine(welcome)
         plane_name = self._choose_plane(welcome)
-        plans = self._plan(remote)
+        plans = await self._plan(remote)
         if plane_name == "nixl":
             failed = self._connect_nixl(welcome)
             if failed is not None:
@@ -252,7 +285,8 @@ class PeerPull:
                 timeout=min(self.config.peer_handshake_timeout_s, self.deadline - loop.time()),
             )
         except PeerGone as exc:
-            await ctx.drop_link(self.req.remote_endpoint)
+            if not local:
+                await ctx.links.drop(link)
             return self._fail("peer_unavailable", str(exc))
         except PeerRefused as exc:
             return self._fail("incompatible_peer", str(exc))
@@ -317,21 +351,33 @@ class PeerPull:
             return self._fail("peer_unavailable", f"NIXL setup failed: {exc}")
         return None
 
-    def _plan(self, remote: PeerEngine) -> list[list[RankPlan]]:
-        """Every request's plan, rank by rank; ``incompatible_peer`` if the engines disagree."""
-        max_frame = min(1 << 20, self.config.peer_chunk_bytes)
+    async def _plan(self, remote: PeerEngine) -> list[list[RankPlan]]:
+        """Every request's plan, rank by rank; ``incompatible_peer`` if the engines disagree.
+
+        A large pull is planned on a thread (`PLAN_ON_LOOP`); the plan is pure, the refusal is
+        reported here, on the loop.
+        """
+        size = sum(ids.remote_ids.size for ids in self.items) * sum(
+            len(r.desc.layers) for r in self.ranks
+        )
         try:
-            check_compatible(self.local, remote)
-            return [
-                [
-                    plan_rank(self.local, r.desc, remote, rids, lids, max_frame=max_frame)
-                    for r in self.ranks
-                ]
-                for _, rids, lids in self.items
-            ]
+            if size <= PLAN_ON_LOOP:
+                return self._plans(remote)
+            return await asyncio.to_thread(self._plans, remote)
         except (IncompatiblePeer, PlanError) as exc:
             self._report_failed()
             raise SidecarError("incompatible_peer", str(exc)) from None
+
+    def _plans(self, remote: PeerEngine) -> list[list[RankPlan]]:
+        max_frame = min(1 << 20, self.config.peer_chunk_bytes)
+        check_compatible(self.local, remote)
+        return [
+            [
+                plan_rank(self.local, r.desc, remote, rids, lids, max_frame=max_frame)
+                for r in self.ranks
+            ]
+            for _, rids, lids in self.items
+        ]
 
     async def _transfer(
         self, source: _Source, ids: ItemIds, plans: list[RankPlan], refused: str
@@ -359,6 +405,8 @@ class PeerPull:
             )
         except (PeerGone, PeerRefused, TimeoutError, asyncio.TimeoutError) as exc:
             return _Outcome(False, 0, str(exc) or type(exc).__name__)
+        except HandleError as exc:  # a worker of the pull was released meanwhile
+            return _Outcome(False, 0, f"a worker's buffers went away during the pull: {exc}")
         await self._notify(source, request_id, plans)
         return _Outcome(True, nbytes, "")
 
@@ -413,8 +461,8 @@ class PeerPull:
         errors = [r.error for r in outcomes if not r.ok]
         if failed:
             self.ctx.counts.failed += 1
-            if not link.connected:
-                await self.ctx.drop_link(self.req.remote_endpoint)
+            if self.endpoint and not link.connected:
+                await self.ctx.links.drop(link)
         self._report(finished, failed, invalid)
         return self._reply(
             finished,

@@ -48,6 +48,7 @@ from kvsidecar.node.replies import ReplyBudget
 from kvsidecar.peer.context import PlaneSet, PullContext, PullCounts
 from kvsidecar.peer.handshake import describe_engine
 from kvsidecar.peer.link import PeerLink
+from kvsidecar.peer.links import PeerLinks
 from kvsidecar.peer.local import LOCAL_PLANE, LocalLink, LocalPlane
 from kvsidecar.peer.messages import (
     PEER_PROTOCOL_VERSION,
@@ -61,7 +62,7 @@ from kvsidecar.peer.messages import (
 )
 from kvsidecar.peer.producer import Producer
 from kvsidecar.peer.pull import check_pull
-from kvsidecar.peer.zmq_plane import pack, packable
+from kvsidecar.peer.zmq_plane import FRAME_BYTES, pack, packable
 from kvsidecar.wire import zmqio
 from kvsidecar.wire.framing import IdArray
 from kvsidecar.wire.protocol import Ok, Reply
@@ -133,7 +134,8 @@ class PeerService:
         """A call of `_on_peer_readable` is queued on the loop (never more than one)."""
         self.packed_budget = ReplyBudget(PACKED_REPLY_BYTES)
         """Bytes of packed read replies still queued (`PACKED_REPLY_BYTES`)."""
-        self._links: dict[str, PeerLink] = {}
+        self.links = PeerLinks(config, self._new_link)
+        """The links to other daemons (`kvsidecar.peer.links`)."""
         # Pulls from this daemon itself (remote_endpoint ""): kvsidecar.peer.local.
         self._local_link = LocalLink(self.welcome, self.producer.on_notify)
         self.planes.by_name[LOCAL_PLANE] = LocalPlane(self.producer, registry, executor)
@@ -143,13 +145,12 @@ class PeerService:
             executor=executor,
             daemon_id=self.daemon_id,
             planes=self.planes,
-            link=self.link,
-            drop_link=self.drop_link,
+            links=self.links,
+            local_link=self._local_link,
             emit=self.emit,
             counts=self.counts,
         )
         self._tasks: list[asyncio.Task[Any]] = []
-        self._closing: set[asyncio.Task[None]] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerRequest)
 
@@ -175,6 +176,8 @@ class PeerService:
         # peer_nixl_wakeup_ms=0, a core busy-polling). A producer (peer endpoint set) needs it
         # from the start to serve reads; in "auto" mode a daemon without a peer endpoint creates
         # its agent at its first pull instead (`ensure_nixl`), so one that never pulls has none.
+        # Without peer_nixl_trusted no agent is made (`PlaneSet.ensure_nixl`; Config refuses
+        # peer_data_plane=nixl without it).
         if cfg.peer_data_plane == "nixl" or (cfg.peer_data_plane == "auto" and cfg.peer_endpoint):
             await self.planes.ensure_nixl()
             if self.planes.nixl is None and cfg.peer_data_plane == "nixl":
@@ -186,6 +189,10 @@ class PeerService:
         # One ZeroMQ I/O thread per data stream, so that the streams' connections are served
         # (read on the consumer, written on the producer) in parallel.
         self._ctx = zmq.asyncio.Context(io_threads=cfg.peer_streams)
+        # Room for every link `PeerLinks` may hold (the configured peers' on top), each with its
+        # monitor and data streams, and the endpoint's own sockets.
+        links = cfg.peer_max_links + len(cfg.peer_list)
+        self._ctx.set(zmq.MAX_SOCKETS, max(1023, links * 3 * (1 + cfg.peer_streams) + 64))
         # CURVE (or knowingly plain) on the peer endpoint and on links to other peers.
         self._transport = peer_transport(cfg)
         if cfg.peer_endpoint:
@@ -197,6 +204,7 @@ class PeerService:
                 ", ".join(sorted(self.planes.by_name)),
             )
         self._tasks.append(asyncio.create_task(self.producer.lease_loop(), name="peer-leases"))
+        self._tasks.append(asyncio.create_task(self.links.sweep(), name="peer-link-sweep"))
 
     def _bind(self, ctx: zmq.asyncio.Context, transport: Transport, endpoint: str) -> None:
         self._zap = ZapHandler(ctx)
@@ -218,10 +226,7 @@ class PeerService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for link in list(self._links.values()):
-            await link.close()
-        self._links.clear()
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await self.links.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -390,37 +395,18 @@ class PeerService:
             verdicts=[self.producer.verdict(claim) for claim in msg.claims],
         )
 
-    def link(self, endpoint: str) -> PeerLink:
-        """Return the link to the daemon at ``endpoint``; connect on first use or after a drop.
-
-        ``endpoint`` "" is this daemon itself (`kvsidecar.peer.local.LocalLink`).
-        """
-        if not endpoint:
-            return self._local_link
-        link = self._links.get(endpoint)
-        if link is not None and link.lost and not link.closed:
-            self._spawn_close(link)
-        if link is None or link.closed or link.lost:
-            assert self._ctx is not None
-            link = PeerLink(
-                self._ctx,
-                endpoint,
-                self.config.peer_max_in_flight,
-                curve=peer_link_curve(self._transport) if self._transport else None,
-                streams=self.config.peer_streams,
-            )
-            self._links[endpoint] = link
-        return link
-
-    def _spawn_close(self, link: PeerLink) -> None:
-        """Close a link whose connection was lost, in the background (it holds two sockets)."""
-        task = asyncio.get_running_loop().create_task(link.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def drop_link(self, endpoint: str) -> None:
-        """Close the link to ``endpoint``; the next pull from it connects afresh."""
-        # A fresh connection next time: nothing queued for the old peer may reach a new one.
-        link = self._links.pop(endpoint, None)
-        if link is not None:
-            await link.close()
+    def _new_link(self, endpoint: str) -> PeerLink:
+        """Connect a new link to another daemon's peer endpoint (for `PeerLinks`)."""
+        assert self._ctx is not None
+        cfg = self.config
+        return PeerLink(
+            self._ctx,
+            endpoint,
+            cfg.peer_max_in_flight,
+            curve=peer_link_curve(self._transport) if self._transport else None,
+            streams=cfg.peer_streams,
+            # Replies from a peer are bounded like requests to this daemon; a read's data frame
+            # by what a chunk asks for (a packed reply holds a whole chunk).
+            max_reply_bytes=cfg.max_message_bytes,
+            max_data_frame=cfg.peer_chunk_bytes + FRAME_BYTES,
+        )

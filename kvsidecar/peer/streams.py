@@ -96,7 +96,13 @@ class DataStream:
         window: int = 8,
         curve: tuple[bytes, KeyPair] | None = None,
         name: str = "",
+        max_frame: int = -1,
     ) -> None:
+        """Connect to ``endpoint`` and start the thread.
+
+        ``max_frame``: largest frame accepted (a producer that sends a larger one is disconnected
+        by libzmq; -1: no bound).
+        """
         self.endpoint = endpoint
         self.in_flight = 0
         """Chunks submitted and not yet settled (counted on the loop: picks the least busy)."""
@@ -113,7 +119,10 @@ class DataStream:
         self._sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # An honest producer has at most ``window`` replies on their way: a remote that sends
+        # more than asked for is throttled by TCP rather than queued here.
+        self._sock.setsockopt(zmq.RCVHWM, 2 * self._window + 16)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         # Fail fast on a dead peer rather than waiting for TCP to notice a silent one.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -230,6 +239,9 @@ class DataStream:
             lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
         if lost:
             self.broken = True
+            # Never used again: no reconnecting to a dead peer until the stream is closed.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disconnect(self.endpoint)
         return lost
 
     def _receive(self, sent: dict[int, Chunk]) -> None:

@@ -75,6 +75,12 @@ same bytes in a few large ones (`benchmarks/probes/probe_producer_chunk.py`; doc
 "bench peer")."""
 
 
+CHUNK_RANGES = 4096
+"""Most ranges in one read chunk, whatever their bytes: the producer checks and answers a chunk in
+one turn of its event loop, and the consumer makes each chunk's destinations on its own, so a
+pull of many tiny ranges costs both loops many short turns, never one long one."""
+
+
 def packable(reply: ReadData, frames: list[Any]) -> bool:
     """Whether ``reply``'s frames are many and small enough to be sent as one packed frame."""
     return len(frames) > 1 and reply.nbytes < len(frames) * PACK_BELOW
@@ -118,6 +124,7 @@ class ZmqPlane(DataPlane):
         while bounds[-1] < len(ends):
             base = int(ends[bounds[-1] - 1]) if bounds[-1] else 0
             nxt = int(np.searchsorted(ends, base + target, side="left")) + 1
+            nxt = min(nxt, bounds[-1] + CHUNK_RANGES)
             bounds.append(min(max(nxt, bounds[-1] + 1), len(ends)))
         return list(itertools.pairwise(bounds))
 
@@ -289,27 +296,52 @@ def published_only(
     apart; a range may span a run of consecutive rows only where the rows are dense (no padding
     in between), and every block of the run must be published. Ranges must already lie inside
     their buffers (no overflow below).
+
+    The ranges are checked together per distinct geometry of the layers they name (an engine's
+    layers usually share one), so the cost grows with the ranges, not ranges times layers.
     """
-    inside = np.zeros(len(ranges), dtype=bool)
-    # Only the layers the ranges name (a read chunk usually lies in one): the check costs per
-    # chunk, not per layer of the engine.
-    for li in np.unique(ranges[:, 0]).tolist():
-        mine = ranges[:, 0] == li
-        start = ranges[mine, 1]
-        last_byte = start + ranges[mine, 2] - 1
-        hit = np.zeros(len(start), dtype=bool)
-        for origin, stride, row, count in _geometry(layers[li]):
-            first, last = (start - origin) // stride, (last_byte - origin) // stride
-            ok = (start >= origin) & (last < count)
-            ok &= (start - origin - first * stride < row) & (
-                last_byte - origin - last * stride < row
-            )
-            if stride != row:
-                ok &= first == last
-            held = np.searchsorted(blocks, last, "right") - np.searchsorted(blocks, first, "left")
-            hit |= ok & (held == last - first + 1)
-        inside[mine] = hit
-    return bool(inside.all())
+    idx = ranges[:, 0]
+    used = np.flatnonzero(np.bincount(idx, minlength=len(layers))).tolist()
+    groups: dict[tuple[tuple[int, int, int, int], ...], list[int]] = {}
+    for li in used:
+        groups.setdefault(tuple(_geometry(layers[li])), []).append(li)
+    if len(groups) == 1:
+        ((views, _),) = groups.items()
+        return bool(_inside_rows(ranges[:, 1], ranges[:, 2], views, blocks).all())
+    group_of = np.zeros(len(layers), dtype=np.int64)
+    for g, members in enumerate(groups.values()):
+        group_of[members] = g
+    gid = group_of[idx]
+    for g, views in enumerate(groups):
+        mine = gid == g
+        if not _inside_rows(ranges[mine, 1], ranges[mine, 2], views, blocks).all():
+            return False
+    return True
+
+
+def _inside_rows(
+    start: npt.NDArray[np.int64],
+    length: npt.NDArray[np.int64],
+    views: tuple[tuple[int, int, int, int], ...],
+    blocks: npt.NDArray[np.int64],
+) -> npt.NDArray[np.bool_]:
+    """Per range of one layer geometry: whether it lies in rows of published blocks of a view."""
+    last_byte = start + length - 1
+    hit = np.zeros(len(start), dtype=bool)
+    # held[b]: published blocks below b. A run first..last is all published when it holds
+    # last - first + 1 of them: two lookups a range (a binary search each cost 30 times more).
+    ceiling = max(count for _, _, _, count in views)
+    held = np.zeros(ceiling + 1, dtype=np.int64)
+    np.cumsum(np.bincount(blocks[blocks < ceiling], minlength=ceiling), out=held[1:])
+    for origin, stride, row, count in views:
+        first, last = (start - origin) // stride, (last_byte - origin) // stride
+        ok = (start >= origin) & (last < count)
+        ok &= (start - origin - first * stride < row) & (last_byte - origin - last * stride < row)
+        if stride != row:
+            ok &= first == last
+        inside = held[np.clip(last + 1, 0, ceiling)] - held[np.clip(first, 0, ceiling)]
+        hit |= ok & (inside == last - first + 1)
+    return hit
 
 
 def _refuse(msg: ReadBlocks, code: Any, message: str) -> PeerError:

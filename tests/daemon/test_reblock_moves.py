@@ -172,8 +172,8 @@ def test_reblocked_moves_and_pulls_lay_tokens_end_to_end(
 def peers() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
     plane = "auto" if nixl_available() else "zmq"
     with (
-        peer_daemon(peer_data_plane=plane) as producer,
-        peer_daemon(peer_data_plane=plane, peer_endpoint="") as consumer,
+        peer_daemon(peer_data_plane=plane, peer_nixl_trusted=True) as producer,
+        peer_daemon(peer_data_plane=plane, peer_nixl_trusted=True, peer_endpoint="") as consumer,
     ):
         yield producer, consumer
 

@@ -1,15 +1,16 @@
-"""The mixed attack: five hostile processes at once while 8 honest workers move and report.
+"""The mixed attack: six hostile processes at once while 8 honest workers move and report.
 
 A flooder (4 DEALERs sending status, garbage, oversize frames and forbidden moves, never
 reading), an fd hoarder (hundreds of fd-channel connections, thousands of unclaimed fds, half-open
 connections, reconnecting throughout), a slow reader (requests whose replies it never reads), a
 shrinking worker (registers an unsealed memfd and truncates it under the daemon's mapping, then
-asks for moves out of it) and a pin-and-store client (pins its whole cache namespace, then stores
-thousands of new keys at a time, none of which finds a slot) attack one daemon process for
-``KVSIDECAR_MIXED_S`` seconds (default
-60). Meanwhile 8 worker processes (TP ranks of engine ``honest``, `tests.procs.fault_worker` in
-``verify`` mode) move their blocks device -> host -> device and check every element against what
-they wrote, and report each step's request as finished; the test, as the scheduler, collects.
+asks for moves out of it), a pin-and-store client (pins its whole cache namespace, then stores
+thousands of new keys at a time, none of which finds a slot) and an endpoint-spelling flooder
+(pulls naming the daemon's own peer endpoint in ever new spellings, and dead ports, 16 at a time)
+attack one daemon process for ``KVSIDECAR_MIXED_S`` seconds (default 60). Meanwhile 8 worker
+processes (TP ranks of engine ``honest``, `tests.procs.fault_worker` in ``verify`` mode) move
+their blocks device -> host -> device and check every element against what they wrote, and
+report each step's request as finished; the test, as the scheduler, collects.
 
 A calm phase of ``BASELINE_S`` comes first, with the same workers and scheduler, so that the
 figures under attack have a baseline from the same run. It ends with every honest command
@@ -38,7 +39,8 @@ import pytest
 from kvsidecar.client import SidecarClient
 from tests.support.attack import Attacker, http_status
 from tests.support.children import FaultWorker
-from tests.support.daemons import daemon_process, make_config
+from tests.support.daemons import cluster_key, daemon_process, make_config
+from tests.support.ports import tcp_endpoint
 from tests.support.procfs import rss_mib
 
 DURATION_S = float(os.environ.get("KVSIDECAR_MIXED_S", "60"))
@@ -57,7 +59,7 @@ def _pct(values: list[float], q: float) -> float:
     return values[int(q * (len(values) - 1))] if values else float("nan")
 
 
-def _attackers(endpoint: str, fd_socket: str) -> list[Attacker]:
+def _attackers(endpoint: str, fd_socket: str, peer_endpoint: str) -> list[Attacker]:
     specs: list[dict[str, Any]] = [
         {"attack": "control_flood", "endpoint": endpoint, "kind": "mix", "sockets": 4},
         {
@@ -80,6 +82,16 @@ def _attackers(endpoint: str, fd_socket: str) -> list[Attacker]:
     ]
     if SHRINKER:
         specs.append({"attack": "shrinker", "endpoint": endpoint, "fd_socket": fd_socket})
+    specs.append(
+        {
+            "attack": "endpoint_flood",
+            "endpoint": endpoint,
+            "fd_socket": fd_socket,
+            "peer_port": int(peer_endpoint.rsplit(":", 1)[1]),
+            "inflight": 16,
+            "timeout_s": 5.0,
+        }
+    )
     started: list[Attacker] = []
     try:
         for spec in specs:
@@ -114,7 +126,13 @@ def _schedule(
 
 
 def test_mixed_attack(tmp_path: Path) -> None:
-    config = make_config(host_pool_bytes=256 << 20, lease_s=10.0)
+    # A peer endpoint: the endpoint-spelling flooder names it in its pulls.
+    config = make_config(
+        host_pool_bytes=256 << 20,
+        lease_s=10.0,
+        peer_endpoint=tcp_endpoint(),
+        curve_secret_key=cluster_key(),
+    )
     spec = {
         "endpoint": config.endpoint,
         "engine": "honest",
@@ -139,7 +157,7 @@ def test_mixed_attack(tmp_path: Path) -> None:
             calm = _schedule(config.endpoint, port, finished, 0, BASELINE_S)
             rss_before = rss_mib(d.proc.pid)
             attack_start = time.time()
-            attackers = _attackers(config.endpoint, config.fd_socket)
+            attackers = _attackers(config.endpoint, config.fd_socket, config.peer_endpoint)
             try:
                 run = _schedule(config.endpoint, port, finished, calm["steps"], DURATION_S)
                 rss_peak = rss_mib(d.proc.pid)

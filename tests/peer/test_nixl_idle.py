@@ -43,7 +43,9 @@ def _cpu_seconds(pid: int) -> float:
 def test_an_idle_daemons_nixl_agent_sleeps(wakeup_ms: int, idle: bool) -> None:
     # peer_data_plane=nixl with a peer endpoint: the agent exists from the start (a daemon
     # whose agent fails exits instead of serving).
-    with peer_daemon(peer_data_plane="nixl", peer_nixl_wakeup_ms=wakeup_ms) as daemon:
+    with peer_daemon(
+        peer_data_plane="nixl", peer_nixl_trusted=True, peer_nixl_wakeup_ms=wakeup_ms
+    ) as daemon:
         with SidecarClient(daemon.config.endpoint, timeout_s=30) as client:
             client.status()
         time.sleep(0.5)  # start-up work done

@@ -31,8 +31,8 @@ def test_status_is_answered_while_a_nixl_pull_runs() -> None:
     p = {**BIG, "engine": "p", "seed": 1, "tp_size": 1, "fill": False}
     c = {**BIG, "engine": "c", "seed": 2, "tp_size": 1, "fill": False}
     with (
-        peer_daemon(peer_data_plane="nixl") as prod,
-        peer_daemon(peer_data_plane="nixl", peer_pull_timeout_s=60) as cons,
+        peer_daemon(peer_data_plane="nixl", peer_nixl_trusted=True) as prod,
+        peer_daemon(peer_data_plane="nixl", peer_nixl_trusted=True, peer_pull_timeout_s=60) as cons,
         peer_workers({"endpoints": [prod.config.endpoint], "engines": [p]}),
         peer_workers({"endpoints": [cons.config.endpoint], "engines": [c]}),
         SidecarClient(prod.config.endpoint, timeout_s=30) as pc,

@@ -73,11 +73,16 @@ def cluster() -> Iterator[Cluster]:
     plane = "auto" if nixl_available() else "zmq"
     specs = engines()
     with (
-        peer_daemon(peer_data_plane=plane) as prod,
+        # Trusted: NIXL is refused otherwise (docs/reliability.md); these daemons trust each other.
+        peer_daemon(peer_data_plane=plane, peer_nixl_trusted=True) as prod,
         # Reads cut into 4 KiB chunks over three data streams: every pull below spreads many
         # chunks over several connections and threads, and is still checked byte by byte.
         peer_daemon(
-            peer_data_plane=plane, peer_endpoint="", peer_streams=3, peer_chunk_bytes=4096
+            peer_data_plane=plane,
+            peer_nixl_trusted=True,
+            peer_endpoint="",
+            peer_streams=3,
+            peer_chunk_bytes=4096,
         ) as cons,
         peer_workers({"endpoints": [prod.config.endpoint], "engines": specs[0]}) as pw,
         peer_workers({"endpoints": [cons.config.endpoint], "engines": specs[1]}) as cw,

@@ -36,30 +36,36 @@ SHAPES: dict[str, tuple[tuple[int, ...], str, Any]] = {
 
 
 class Layers:
-    """Two layers of one arrangement, filled with distinct bytes, and their allowed-byte masks."""
+    """Two layers (of one arrangement, or of two: ``kinds``), filled with distinct bytes, and
+    their allowed-byte masks."""
 
-    def __init__(self, kind: str) -> None:
-        shape, arrangement, rows = SHAPES[kind]
+    def __init__(self, *kinds: str) -> None:
         self.tensors = []
         self.layers: dict[str, LayerBuffer] = {}
-        for i in range(2):
+        self.row_fns = []
+        for i, kind in enumerate(kinds * (2 // len(kinds))):
+            shape, arrangement, rows = SHAPES[kind]
             t = torch.arange(int(np.prod(shape)), dtype=torch.int16).reshape(shape) * 7 + i
             t = t.view(torch.float16)
             desc = describe_tensor(t, arrangement=arrangement)  # type: ignore[arg-type]
             flat = t.view(-1).view(torch.uint8)
             self.layers[f"l{i}"] = LayerBuffer.map(f"l{i}", desc, TensorBuffer(flat, "shm"))
             self.tensors.append(t)
-        self.rows = rows
+            self.row_fns.append(rows)
+
+    def rows(self, layer: int, block: int) -> list[torch.Tensor]:
+        """The rows of ``block`` in layer ``layer``, as torch's own indexing gives them."""
+        return list(self.row_fns[layer](self.tensors[layer], block))
 
     def allowed(self, layer: int, published: list[int]) -> list[np.ndarray]:
         """Per block view, a mask of the layer's bytes that lie in published blocks' rows."""
         t = self.tensors[layer]
         base = t.data_ptr()
         size = t.numel() * t.element_size()
-        views = len(self.rows(t, 0))
+        views = len(self.rows(layer, 0))
         masks = [np.zeros(size, dtype=bool) for _ in range(views)]
         for b in published:
-            for v, row in enumerate(self.rows(t, b)):
+            for v, row in enumerate(self.rows(layer, b)):
                 start = row.data_ptr() - base
                 masks[v][start : start + row.numel() * row.element_size()] = True
         return masks
@@ -91,6 +97,8 @@ class Layers:
 
 
 LAYERS = {kind: Layers(kind) for kind in SHAPES}
+# Two layers of different geometry in one read: the checks group ranges by geometry.
+LAYERS["kv_first+mla"] = Layers("kv_first", "mla")
 
 
 @st.composite
@@ -98,15 +106,15 @@ def reads(draw: st.DrawFn, kind: str) -> tuple[list[tuple[int, int, int]], list[
     """Published blocks and 1-4 ranges: most are runs of rows that start at a published block,
     some of them a byte off at either end; the rest anywhere, of any length."""
     layers = LAYERS[kind]
-    t = layers.tensors[0]
-    size = t.numel() * t.element_size()
-    views = len(layers.rows(t, 0))
-    row = size // NUM_BLOCKS // views
     published = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=NUM_BLOCKS, unique=True))
     nudge = st.sampled_from([0] * 14 + [-1, 1])
     ranges = []
     for _ in range(draw(st.sampled_from([1, 1, 1, 2, 2, 3, 4]))):
         layer = draw(st.sampled_from([0] * 7 + [1] * 7 + [-1, 2]))
+        t = layers.tensors[max(0, min(layer, 1))]
+        size = t.numel() * t.element_size()
+        views = len(layers.rows(max(0, min(layer, 1)), 0))
+        row = size // NUM_BLOCKS // views
         if draw(st.integers(0, 5)):
             view = draw(st.integers(0, views - 1))
             block = draw(st.sampled_from(published or [0]))
@@ -121,7 +129,7 @@ def reads(draw: st.DrawFn, kind: str) -> tuple[list[tuple[int, int, int]], list[
 
 
 @pytest.mark.parametrize("few", [16, 0], ids=["plain ints", "numpy"])
-@pytest.mark.parametrize("kind", list(SHAPES))
+@pytest.mark.parametrize("kind", list(LAYERS))
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_a_read_is_served_exactly_when_the_reference_allows_it(
@@ -156,4 +164,19 @@ def test_runs_of_published_blocks_are_one_range_and_a_gap_refuses_it() -> None:
     # K of the last block and V of the first lie side by side, but in two views.
     across = (0, (NUM_BLOCKS - 1) * row, 2 * row)
     refused, _ = layers.serve([across], list(range(NUM_BLOCKS)))
+    assert isinstance(refused, PeerError) and refused.code == "out_of_range"
+
+
+@pytest.mark.parametrize("few", [16, 0], ids=["plain ints", "numpy"])
+def test_one_read_over_layers_of_two_geometries_checks_each_by_its_own(few: int) -> None:
+    layers = LAYERS["kv_first+mla"]  # l0: kv_first, 16-byte rows; l1: mla, 32-byte blocks
+    saved, zmq_plane.FEW_RANGES = zmq_plane.FEW_RANGES, few
+    try:
+        allowed, _ = layers.serve([(0, 0, 16), (1, 0, 32), (0, 96, 16)], [0])
+        # Block 1 of the mla layer is not published (as a kv_first row it would be block 2-3).
+        refused, _ = layers.serve([(0, 0, 16), (1, 32, 32)], [0, 2, 3])
+    finally:
+        zmq_plane.FEW_RANGES = saved
+    assert layers.reference([(0, 0, 16), (1, 0, 32), (0, 96, 16)], [0])
+    assert isinstance(allowed, ReadData) and allowed.nbytes == 64
     assert isinstance(refused, PeerError) and refused.code == "out_of_range"

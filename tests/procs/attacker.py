@@ -19,6 +19,17 @@ one JSON line of counts and exits. ``spec["attack"]`` picks the attack:
   nothing (``slowloris``: a request head one byte every half second).
 - ``shrinker``: registers an unsealed memfd as a KV cache (raw fd channel message, raw
   ``Register``), shrinks the file to 0 bytes, and asks for moves out of it.
+- ``endpoint_flood``: registers an engine of its own (raw), then keeps ``inflight`` raw ``Pull``
+  requests outstanding, each naming the producer's peer endpoint (``peer_port``, engine
+  ``remote_engine``) in another spelling: a source address before a ``;`` (libzmq connects from
+  it), another address of the loopback net (``127.a.b.c``, which reaches a daemon bound to
+  ``0.0.0.0``), host names in other cases, ports with leading zeros, and endpoints where nothing
+  listens. Prints ``flooded`` once ``count`` pulls are sent and answered; counts the replies by
+  outcome.
+- ``nixl_read``: a hostile peer daemon: holding the cluster key (``key``), it greets the producer's
+  peer endpoint asking for NIXL and no request at all, and, if the welcome carries NIXL metadata,
+  READs the first layer of ``engine``'s first rank whole (published or not) with a NIXL agent of
+  its own. The result has the bytes read (hex), or None.
 - ``pin_and_store``: registers a sealed memfd as a KV cache, stores ``slots`` keys into a cache
   namespace of that size, pins every one of them (a lookup with a long pin), then stores
   ``keys`` new keys at a time, one store after another: none finds a slot to evict.
@@ -42,9 +53,18 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvsidecar.peer.messages import PEER_PROTOCOL_VERSION, Notify, PeerHello
+from kvsidecar.core import layout
+from kvsidecar.peer.messages import (
+    PEER_PROTOCOL_VERSION,
+    Notify,
+    PeerHello,
+    PeerReply,
+    PeerWelcome,
+)
 from kvsidecar.wire.cache import CacheLookup, CacheStore
+from kvsidecar.wire.curve import load_keypair, secure_client_socket
 from kvsidecar.wire.protocol import PROTOCOL_VERSION, Collect, Heartbeat, Move, Register, Status
+from kvsidecar.wire.pulls import Pull, PullItem
 from kvsidecar.wire.types import BufferDescriptor, BufferSetRef, LayerSpec, ShmRef, WorkerRef
 
 ENC = msgspec.msgpack.Encoder()
@@ -303,7 +323,9 @@ def http_idle(spec: dict[str, Any], _ctx: zmq.Context[Any]) -> dict[str, Any]:
     return {"opened": opened, "closed_by_server": closed_by_server}
 
 
-def _raw_register(sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes) -> Any:
+def _raw_register(
+    sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes, *, host: bool = True
+) -> Any:
     blocks = nbytes // 4096
     desc = BufferDescriptor("kv_first", "NHD", "float16", blocks, 16, 8, 8)  # 2 x 2 KiB a block
     handle = ShmRef(fd_index=0, storage_nbytes=nbytes, offset=0, nbytes=nbytes)
@@ -312,7 +334,7 @@ def _raw_register(sock: zmq.Socket[Any], engine: str, nbytes: int, token: bytes)
         protocol_version=PROTOCOL_VERSION,
         worker=WorkerRef(engine),
         layers=[LayerSpec("l0", desc, handle)],
-        host_blocks=blocks,
+        host_blocks=blocks if host else 0,
         fd_token=token,
     )
     sock.send(ENC.encode(reg))
@@ -357,6 +379,148 @@ def shrinker(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
         time.sleep(0.05)
     fd_sock.close()
     return {"registered": registered, "replies": replies}
+
+
+def _spelling(i: int, port: int) -> str:
+    """The ``i``-th spelling of the endpoint ``tcp://127.0.0.1:port`` (or of none at all)."""
+    match i % 6:
+        case 0 | 1:  # a source port of its own: one connection each, to the same daemon
+            return f"tcp://127.0.0.1:{20000 + i % 40000};127.0.0.1:{port}"
+        case 2 | 3:  # the loopback net: the same daemon when it is bound to 0.0.0.0
+            n = i // 6 + 2
+            return f"tcp://127.{(n >> 16) & 255}.{(n >> 8) & 255}.{n & 255}:{port}"
+        case 4:  # host names and ports spelled otherwise
+            return ("tcp://LOCALHOST:{}", "tcp://localhost.:{}", "tcp://127.0.0.1:0{}")[
+                i // 6 % 3
+            ].format(port)
+        case _:  # nothing listens there: each waits for its handshake's timeout
+            return f"tcp://127.0.0.1:{1024 + (port + i) % 20000}"
+
+
+_BEATS = 1 << 40
+"""Request ids of the flooder's heartbeats start past it (its pulls count from 1)."""
+
+
+def endpoint_flood(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    nbytes = 64 * 4096
+    memfd = os.memfd_create("flooder", os.MFD_ALLOW_SEALING)
+    os.ftruncate(memfd, nbytes)
+    fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    fd_sock = _connect_unix(spec["fd_socket"])
+    assert fd_sock is not None
+    token = os.urandom(16)
+    send_fds(fd_sock, token, [memfd])
+    engine = spec.get("engine", "flooder")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec["endpoint"])
+    registered = _raw_register(sock, engine, nbytes, token, host=False)
+    print("ready", flush=True)
+    worker = WorkerRef(engine)
+    ids = np.array([0], dtype=np.int64).tobytes()
+    outcomes: dict[str, int] = {}
+    sent = pending = beat = answered = 0
+    count = spec.get("count", 1 << 30)
+    last_beat = time.monotonic()
+    deadline = time.monotonic() + spec.get("seconds", 3600)
+    while time.monotonic() < deadline and not _stop_requested():
+        if time.monotonic() - last_beat > 0.5:  # keep the worker's lease
+            last_beat = time.monotonic()
+            beat += 1
+            sock.send(ENC.encode(Heartbeat(id=_BEATS + beat, workers=[worker])))
+            pending += 1
+        while pending < spec.get("inflight", 32) and sent < count:
+            pull = Pull(
+                id=sent + 1,
+                engine_id=engine,
+                remote_endpoint=_spelling(sent, spec["peer_port"]),
+                remote_engine_id=spec.get("remote_engine", engine),
+                items=[PullItem(f"flood-{sent}", 1, 1)],
+                tp_rank=0,
+                timeout_s=spec.get("timeout_s", 5.0),
+            )
+            sock.send_multipart([ENC.encode(pull), ids, ids])
+            sent += 1
+            pending += 1
+        if sock.poll(50):
+            while sock.poll(0):
+                reply = msgspec.msgpack.decode(sock.recv_multipart()[0])
+                pending -= 1
+                if reply.get("id", 0) > _BEATS:
+                    continue  # a heartbeat's
+                if reply.get("type") == "pulled":
+                    key = "pulled:" + (reply.get("error_code") or "ok")
+                else:
+                    key = reply.get("code") or reply.get("type", "?")
+                outcomes[key] = outcomes.get(key, 0) + 1
+                answered += 1
+                if answered == count:
+                    print("flooded", flush=True)
+    fd_sock.close()
+    return {"registered": registered, "sent": sent, "outcomes": outcomes}
+
+
+def nixl_read(spec: dict[str, Any], ctx: zmq.Context[Any]) -> dict[str, Any]:
+    keys = load_keypair(spec["key"])
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_client_socket(sock, server_public=keys.public, keys=keys)
+    sock.connect(spec["peer_endpoint"])
+    hello = PeerHello(id=1, protocol_version=PEER_PROTOCOL_VERSION, daemon_id="hostile")
+    sock.send(ENC.encode(PeerHello(**{**msgspec.structs.asdict(hello), "want_nixl": True})))
+    assert sock.poll(10_000), "no welcome"
+    welcome = msgspec.msgpack.decode(sock.recv_multipart()[0], type=PeerReply)
+    assert isinstance(welcome, PeerWelcome), welcome
+    result: dict[str, Any] = {
+        "planes": welcome.planes,
+        "metadata_bytes": len(welcome.nixl_metadata),
+        "read": None,
+    }
+    engine = next(e for e in welcome.engines if e.engine_id == spec["engine"])
+    worker = engine.workers[0]
+    if welcome.nixl_metadata and worker.layer_addrs:
+        result["read"] = _nixl_read_layer(welcome, worker.layer_addrs[0], worker.descriptors[0])
+    print("ready", flush=True)
+    while not _stop_requested():
+        time.sleep(0.05)
+    return result
+
+
+def _nixl_read_layer(welcome: PeerWelcome, addr: int, desc: BufferDescriptor) -> str | None:
+    import logging
+
+    import nixl._api  # noqa: F401 - installs NIXL's stdout log handler, removed next
+    import torch
+
+    from kvsidecar.peer.nixl_plane import NixlPlane
+
+    logging.getLogger("nixl").handlers.clear()  # stdout carries this process's line protocol
+    nbytes = layout.buffer_nbytes(desc)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    theirs = np.array([[addr, nbytes, 0]], dtype=np.uint64)
+    for attempt in range(5):  # UCX's wire-up fails now and then: a fresh agent tries again
+        try:
+            # An agent as a daemon makes it (a hostile daemon is a modified kvsidecar).
+            agent = NixlPlane(f"hostile-{attempt}")._agent
+            agent.register_memory(dst)
+            remote = agent.add_remote_agent(welcome.nixl_metadata)
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(np.array([[dst.data_ptr(), nbytes, 0]], np.uint64), "DRAM"),
+                agent.get_xfer_descs(theirs, "DRAM"),
+                remote,
+            )
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 10
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(0.001)  # as a daemon polls: the agent's progress thread needs its lock
+                state = agent.check_xfer_state(handle)
+            if state == "DONE":
+                return bytes(dst.numpy()).hex()
+        except Exception as exc:  # nixl raises its own error types
+            print(f"nixl read failed: {exc!r}", file=sys.stderr, flush=True)
+        time.sleep(0.5)
+    return None
 
 
 def _call(sock: zmq.Socket[Any], frames: list[bytes], timeout_s: float = 30.0) -> dict[str, Any]:
@@ -444,6 +608,8 @@ ATTACKS = {
     "fd_hoard": fd_hoard,
     "http_idle": http_idle,
     "shrinker": shrinker,
+    "endpoint_flood": endpoint_flood,
+    "nixl_read": nixl_read,
     "pin_and_store": pin_and_store,
 }
 
@@ -456,6 +622,8 @@ def main() -> None:
     finally:
         ctx.destroy(linger=0)
     print(json.dumps({"result": result}, default=str), flush=True)
+    if spec["attack"] == "nixl_read":  # NIXL's bundled libraries crash at exit (process_exit)
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ def memfd_mappings(pid: int, name: str = "kvsidecar") -> int:
         return sum(1 for line in fh if f"memfd:{name}" in line)
 
 
-def fd_count() -> int:
-    """How many fds this process has open."""
-    return len(os.listdir("/proc/self/fd"))
+def fd_count(pid: int | str = "self") -> int:
+    """How many fds process ``pid`` (default: this one) has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def open_fds() -> set[str]:
