@@ -119,6 +119,11 @@ class Config:
     fd_unclaimed_s: float = 30.0
     cache_bytes: int = 256 << 20
     cache_pin_s: float = 30.0
+    cache_dir: str = ""
+    cache_disk_bytes: int = 0
+    cache_disk_admit: str = "reuse"
+    cache_disk_direct: bool = True
+    cache_disk_threads: int = 2
 
     def __post_init__(self) -> None:
         self._fill_paths()
@@ -218,12 +223,36 @@ class Config:
             raise ConfigError("cache_bytes must be >= 0")
         if not self.cache_pin_s > 0:
             raise ConfigError("cache_pin_s must be > 0")
+        self._check_disk_tier()
         try:
             _ = self.uids
         except ValueError:
             raise ConfigError(
                 f"allowed_uids must be comma-separated integers, got {self.allowed_uids!r}"
             ) from None
+
+    def _check_disk_tier(self) -> None:
+        if self.cache_disk_bytes < 0:
+            raise ConfigError("cache_disk_bytes must be >= 0")
+        if self.cache_dir and not os.path.isabs(self.cache_dir):
+            raise ConfigError(f"cache_dir must be an absolute path, got {self.cache_dir!r}")
+        if self.cache_dir and not self.cache_disk_bytes:
+            raise ConfigError(
+                "cache_dir is set but cache_disk_bytes is 0: give the disk tier a size"
+            )
+        if self.cache_disk_bytes and not self.cache_dir:
+            raise ConfigError("cache_disk_bytes is set but cache_dir is empty: name a directory")
+        if self.cache_disk_admit not in ("reuse", "all"):
+            raise ConfigError(
+                f"cache_disk_admit must be reuse or all, got {self.cache_disk_admit!r}"
+            )
+        if not 1 <= self.cache_disk_threads <= 64:
+            raise ConfigError("cache_disk_threads must be 1..64")
+
+    @property
+    def disk_tier(self) -> bool:
+        """Whether the prefix cache has a disk tier (``cache_dir`` and ``cache_disk_bytes``)."""
+        return bool(self.cache_dir) and self.cache_disk_bytes > 0 and self.cache_bytes > 0
 
     @property
     def uids(self) -> frozenset[int]:
