@@ -54,6 +54,7 @@ from kvsidecar.daemon.cache.disk_files import (
     read_chunk,
     remove_space,
     scan,
+    shrink_space,
     write_chunk,
 )
 from kvsidecar.daemon.cache.disk_format import (
@@ -112,6 +113,19 @@ class DiskSpace:
         self.closing = False
         self.last_used = time.monotonic()
         self._seq = itertools.count(next_seq)
+
+    def meta(self, capacity: int) -> SpaceMeta:
+        """Its meta file's contents, for ``capacity`` slots."""
+        return SpaceMeta(
+            version=FORMAT_VERSION,
+            owner=self.key[0],
+            fingerprint=self.key[1],
+            tp_rank=self.key[2],
+            layers=dict(self.shape.layers),
+            block_bytes=self.shape.block_bytes,
+            slot_bytes=self.geo.slot_bytes,
+            capacity=capacity,
+        )
 
     @property
     def capacity_blocks(self) -> int:
@@ -375,10 +389,11 @@ class DiskTier:
 
     def _create(self, key: NamespaceKey, shape: SpaceShape, tp_size: int) -> DiskSpace | None:
         per = slot_bytes(shape.block_bytes) + HEADER_BYTES
-        share = max(self.budget // max(tp_size, 1), per)
-        self._fit(self.budget - share)
-        self._share(share)
-        return self._make(key, shape, min(share, self.budget - self.used_bytes()))
+        want = self.budget // max(tp_size, 1)
+        if self._spaces:  # an equal share at most: the others keep the rest
+            want = min(want, self.budget // (len(self._spaces) + 1))
+        self._room(max(want, per))
+        return self._make(key, shape, min(want, self.budget - self.used_bytes()))
 
     def _make(self, key: NamespaceKey, shape: SpaceShape, nbytes: int) -> DiskSpace | None:
         """Make a space of ``nbytes`` (its files on an I/O thread; writes wait for them)."""
@@ -388,16 +403,7 @@ class DiskTier:
             return None
         space = DiskSpace(self, key, shape, CacheIndex(capacity), None)
         self._spaces[key] = space
-        meta = SpaceMeta(
-            version=FORMAT_VERSION,
-            owner=key[0],
-            fingerprint=key[1],
-            tp_rank=key[2],
-            layers=dict(shape.layers),
-            block_bytes=shape.block_bytes,
-            slot_bytes=space.geo.slot_bytes,
-            capacity=capacity,
-        )
+        meta = space.meta(capacity)
         loop = asyncio.get_running_loop()
         made = asyncio.wrap_future(
             self._pool.submit(create_space, self._dir_fd, space.name, meta, direct=self.direct),
@@ -444,27 +450,79 @@ class DiskTier:
         return space
 
     def _idle(self, space: DiskSpace) -> bool:
-        return not space.busy and not space.index.pinned and not self.in_use(space.key)
+        return self._still(space) and not self.in_use(space.key)
+
+    @staticmethod
+    def _still(space: DiskSpace) -> bool:
+        """Whether nothing runs on or holds a slot of the space (it may be cut down)."""
+        opened = space.opening is None or space.opening.done()
+        return opened and not space.busy and not space.index.pinned
+
+    def _room(self, want: int) -> None:
+        """Free ``want`` bytes of the budget.
+
+        Idle spaces give theirs first (least recently used first), then spaces in use that
+        hold more than an equal share.
+        """
+        fair = self.budget // (len(self._spaces) + 1)
+        spaces = sorted(self._spaces.values(), key=lambda s: s.last_used)
+        for space in [s for s in spaces if self._idle(s)]:
+            need = want - (self.budget - self.used_bytes())
+            if need <= 0:
+                return
+            self._shrink(space, space.capacity_bytes - need, "room was needed")
+        for space in sorted(spaces, key=lambda s: -s.capacity_bytes):
+            need = want - (self.budget - self.used_bytes())
+            if need <= 0:
+                return
+            if space.capacity_bytes > fair and self._still(space) and not space.closing:
+                keep = max(fair, space.capacity_bytes - need)
+                self._shrink(space, keep, "a new namespace needed its share")
 
     def _fit(self, budget: int) -> None:
-        """Drop idle spaces, least recently used first, until the others take ``budget`` bytes."""
+        """Cut idle spaces down, least recently used first, until all take ``budget`` bytes."""
         for space in sorted(self._spaces.values(), key=lambda s: s.last_used):
-            if self.used_bytes() <= budget:
+            over = self.used_bytes() - budget
+            if over <= 0:
                 return
             if self._idle(space):
-                self._drop(space, "room was needed")
+                self._shrink(space, space.capacity_bytes - over, "cache_disk_bytes is smaller")
 
-    def _share(self, need: int) -> None:
-        """Make spaces in use that hold more than an equal share again, smaller and empty."""
-        fair = self.budget // (len(self._spaces) + 1)
-        want = min(need, fair)
-        for space in sorted(self._spaces.values(), key=lambda s: -s.capacity_bytes):
-            if self.budget - self.used_bytes() >= want:
-                return
-            if space.capacity_bytes <= fair or space.busy or space.index.pinned:
-                continue
-            self._drop(space, "a new namespace needed its share")
-            self._make(space.key, space.shape, fair)
+    def _shrink(self, space: DiskSpace, nbytes: int, why: str) -> None:
+        """Cut a space down to ``nbytes`` (its blocks in the slots given up go), or drop it."""
+        capacity = max(nbytes, 0) // (space.geo.slot_bytes + HEADER_BYTES)
+        if capacity >= space.capacity_blocks:
+            return
+        if capacity < 1 or space.files is None:
+            self._drop(space, why)
+            return
+        gone = space.index.shrink(capacity)
+        self.removed(space.key, "evicted", gone)
+        log.info(
+            "disk tier: namespace %s/%s rank %d cut to %d slots (%s, %d blocks dropped)",
+            space.key[0],
+            space.key[1][:16],
+            space.key[2],
+            capacity,
+            why,
+            gone,
+        )
+        meta = space.meta(capacity)
+        space.busy += 1  # no I/O on it until its files are cut
+        job = self._pool.submit(shrink_space, self._dir_fd, space.name, space.files, meta)
+        cut = asyncio.wrap_future(job)
+        self._track(cut)
+
+        def done(fut: asyncio.Future[None]) -> None:
+            space.busy -= 1
+            if not fut.cancelled() and isinstance(fut.exception(), OSError):
+                exc = fut.exception()
+                assert isinstance(exc, OSError)
+                self._error(exc, "cutting a namespace's files down")
+            if space.closing and space.busy == 0:
+                self._remove_files(space)
+
+        cut.add_done_callback(done)
 
     def _drop(self, space: DiskSpace, why: str) -> None:
         """Forget a space now; its files go once nothing is in flight on them."""

@@ -206,6 +206,13 @@ def _write_meta(dir_fd: int, name: str, meta: SpaceMeta) -> None:
     os.rename(tmp, name + ".meta", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
+def shrink_space(dir_fd: int, name: str, files: SpaceFiles, meta: SpaceMeta) -> None:
+    """Cut a space's files down to ``meta.capacity`` slots; its meta file says so first."""
+    _write_meta(dir_fd, name, meta)
+    os.ftruncate(files.slab, meta.capacity * meta.slot_bytes)
+    os.ftruncate(files.index, meta.capacity * HEADER_BYTES)
+
+
 def open_space(dir_fd: int, name: str, *, direct: bool) -> tuple[SpaceFiles, bytes]:
     """Open a space a previous daemon left; return its files and its index file's bytes."""
     index = os.open(name + ".index", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)

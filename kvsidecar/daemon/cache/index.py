@@ -198,6 +198,25 @@ class CacheIndex:
             gone += 1
         return gone
 
+    def shrink(self, capacity: int) -> int:
+        """Give up the slots from ``capacity`` on (none may be pinned or filling).
+
+        Costs the slots given up (and the free list). Returns how many ready keys left.
+        """
+        gone = 0
+        for slot in range(capacity, self.capacity):
+            key = self._key.pop(slot, None)
+            if key is None:
+                continue
+            del self._slot[key]
+            if key in self._ready:
+                self._ready.discard(key)
+                self._evictable.pop(key, None)
+                gone += 1
+        self._free = [s for s in self._free if s < capacity]
+        self.capacity = capacity
+        return gone
+
     def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, ok: bool) -> None:
         """End a store: its keys become ready (``ok``), or their slots free again."""
         for key, slot in zip(keys, slots, strict=True):
