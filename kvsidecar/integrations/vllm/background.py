@@ -10,8 +10,9 @@ None; an ask once the reply is in answers from it. Hit blocks that are on the da
 tier only are brought up into its memory before it answers (at most ``disk_wait_s``): the
 request waits for them here, in the background, and vLLM admits it once its load reads memory.
 The answer is kept while its pin holds (half of ``pin_s``): a request that vLLM cannot admit yet
-(no free KV blocks) is answered from it step after step, without a round trip each. A lookup the daemon does not answer within
-``lookup_timeout_s`` is a miss, and the daemon is left alone for ``retry_s``.
+(no free KV blocks) is answered from it step after step, without a round trip each. A lookup
+the daemon does not answer within ``lookup_timeout_s`` is a miss, and the daemon is left alone
+for ``retry_s``.
 
 `Publishes`: a finished prefill's publish, sent as vLLM finishes the request; its reply is read
 a step later. The request is answered as published (its blocks held) at once: the decode engine
