@@ -45,7 +45,8 @@ from kvsidecar.node.config import Config
 from kvsidecar.wire.types import BufferDescriptor
 
 RUNS_MIB = (1, 16, 256)
-THREADS = 2
+THREADS = int(os.environ.get("KVSIDECAR_CACHE_DISK_THREADS", "2"))
+"""The tier's I/O threads (``cache_disk_threads``, its default unless the variable says)."""
 GROUP = "disk tier"
 REBUILD_BYTES = 10 << 30
 """What ``--rebuild`` writes in all (its blocks share it)."""
@@ -96,9 +97,10 @@ def _shape(opts: Options) -> SpaceShape:
 
 
 def _config(where: Path, nbytes: int, direct: bool) -> Config:
+    """Return a tier's config: one per mode (one must not find the other's blocks)."""
     return Config(
         runtime_dir=str(where / "run"),
-        cache_dir=str(where / "tier"),
+        cache_dir=str(where / ("direct" if direct else "buffered")),
         cache_disk_bytes=nbytes,
         cache_disk_direct=direct,
         cache_disk_threads=THREADS,
@@ -244,6 +246,7 @@ async def _rebuild(where: Path, opts: Options, count: int) -> Figure:
     desc = BufferDescriptor("blocks_first", "NHD", "uint8", 1, 1, 1, row)
     shape = SpaceShape((("layer0", desc),), row)
     config = _config(where / "rebuild", count * (row + 8192) + (64 << 20), True)
+    shutil.rmtree(config.cache_dir, ignore_errors=True)
     batch = max(1, (256 << 20) // row)
     note(f"disk: writing {count} blocks of {row >> 10} KiB for the rebuild figure")
     tier = DiskTier(config)

@@ -44,7 +44,7 @@ from kvsidecar.daemon.cache.disk_format import (
     unpack_header,
 )
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 2 << 20
 """Most bytes of slots one I/O call moves (a chunk; a larger write or read is several)."""
 
 FATAL = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EBADF, errno.EDQUOT})
