@@ -541,6 +541,7 @@ def measure_disk(args: argparse.Namespace, tmp: Path) -> int:
                 if _tier_hits(daemon, "CPU") - before < n // 32 - 1:
                     raise RuntimeError(f"size {n}: the memory hit did not hit memory")
             daemon = _restart(daemon, config)
+            _ttft(side, prompt(64, 7000 + rep))  # the scheduler's first call on the new daemon
             for n in args.sizes:
                 before = _tier_hits(daemon, "STORAGE")
                 samples[n].setdefault("disk", []).append(_ttft(side, prompt(n, rep)))
