@@ -587,6 +587,7 @@ def test_a_lookup_asking_an_impossible_wait_is_refused(cache_dir: Path, wait: fl
         ({"cache_dir": "relative", "cache_disk_bytes": 1}, "absolute"),
         ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_disk_admit": "x"}, "reuse or all"),
         ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_disk_threads": 0}, "1..64"),
+        ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_bytes": 0}, "in memory"),
     ],
 )
 def test_disk_settings_are_refused_in_one_line(values: dict[str, Any], message: str) -> None:
