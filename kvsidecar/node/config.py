@@ -242,10 +242,8 @@ class Config:
             )
         if self.cache_disk_bytes and not self.cache_dir:
             raise ConfigError("cache_disk_bytes is set but cache_dir is empty: name a directory")
-        if self.cache_dir and not (self.cache_bytes and self.host_pool_bytes):
-            raise ConfigError(
-                "cache_dir needs the prefix cache in memory: cache_bytes and host_pool_bytes > 0"
-            )
+        if self.cache_dir and not self.cache_bytes:
+            raise ConfigError("cache_dir needs the prefix cache in memory: cache_bytes > 0")
         if self.cache_disk_admit not in ("reuse", "all"):
             raise ConfigError(
                 f"cache_disk_admit must be reuse or all, got {self.cache_disk_admit!r}"
@@ -255,8 +253,8 @@ class Config:
 
     @property
     def disk_tier(self) -> bool:
-        """Whether the prefix cache has a disk tier (``cache_dir`` and ``cache_disk_bytes``)."""
-        return bool(self.cache_dir) and self.cache_disk_bytes > 0
+        """Whether the prefix cache has a disk tier (``cache_dir``, and a host pool to cache in)."""
+        return bool(self.cache_dir) and self.cache_disk_bytes > 0 and self.host_pool_bytes > 0
 
     @property
     def uids(self) -> frozenset[int]:
