@@ -201,6 +201,21 @@ def test_a_restarted_daemon_serves_the_blocks_its_predecessor_wrote(
         assert (again.hits, again.disk_hits) == (8, 0)
 
 
+def test_sigterm_right_after_stores_writes_them_before_the_daemon_exits(cache_dir: Path) -> None:
+    """The stores were answered (in memory); the writes through are still running, or not
+    started (the namespace's files being made): the drain waits for them."""
+    keys = [key(i) for i in range(BLOCKS)]
+    with daemon_process(disk_config(cache_dir)) as first, engine_on(first) as a:
+        assert a.store(keys, list(range(BLOCKS))).stored == BLOCKS
+        want = [a.block(i) for i in range(BLOCKS)]
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(30) == 0
+    with daemon_process(disk_config(cache_dir)) as second, engine_on(second, "b", 2) as b:
+        assert b.client.cache_lookup(FP, keys).hits == BLOCKS
+        assert b.load(keys, list(range(BLOCKS))).loaded == BLOCKS
+        assert all(same(b.block(i), want[i]) for i in range(BLOCKS))
+
+
 def test_a_daemon_killed_during_stores_leaves_no_wrong_block(cache_dir: Path) -> None:
     """SIGKILL while stores are being written through: the next daemon serves the blocks whose
     writes ended, each the block stored under its key, and misses the rest."""

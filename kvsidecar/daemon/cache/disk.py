@@ -333,9 +333,15 @@ class DiskTier:
         return space
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait for the reads and writes in flight (at most ``timeout_s``)."""
-        if self._in_flight:
-            await asyncio.wait(list(self._in_flight), timeout=timeout_s)
+        """Wait for the reads and writes in flight (at most ``timeout_s``).
+
+        Also for those that what ends meanwhile starts (writes queued behind a space's files
+        being made): a store answered before SIGTERM is on disk after it.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(list(self._in_flight), timeout=left)
+            await asyncio.sleep(0)  # the done callbacks, which may submit more
         return not self._in_flight
 
     def close(self) -> None:
