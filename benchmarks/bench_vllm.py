@@ -23,12 +23,21 @@ prompt), **sync** waits for them in the forward (all but the last block's tail, 
 fresh prompt of each ``--sizes`` length is computed and stored by one of them, then sent to both
 (the order alternates): the TTFT of each hit.
 
+With ``--disk``, through ``vllm serve`` (the OpenAI server, requests over HTTP, ``max_tokens`` 1):
+one kvsidecar server on a daemon with a disk tier (``cache_dir`` in ``--disk-dir``, every block
+written through), its own prefix cache off, beside a server without the connector. Each fresh
+prompt of each ``--sizes`` length is computed once (stored), sent again (a hit from the daemon's
+memory), and after the daemon was restarted (SIGTERM: its memory is empty, the engines register
+again) sent a third time: a hit from disk, read with ``O_DIRECT``. Against recomputing a fresh
+prompt of the same length on the server without the connector.
+
 Each figure is the median of ``--repeat`` prompts; the JSON has every sample and the load average.
 
     .venv/bin/python benchmarks/bench_vllm.py [--sizes 1024 2048] [--repeat 5] [--steps 64]
         [--json FILE]
     .venv/bin/python benchmarks/bench_vllm.py --sizes --repeat 8   # decode steps only
     .venv/bin/python benchmarks/bench_vllm.py --loads --sizes 1024 4096 --repeat 7
+    .venv/bin/python benchmarks/bench_vllm.py --disk --sizes 1024 4096 --repeat 5
 """
 
 from __future__ import annotations
@@ -327,6 +336,15 @@ def main() -> int:
         action="store_true",
         help="TTFT of hits loaded async against sync (two kvsidecar engines, no decode steps)",
     )
+    parser.add_argument(
+        "--disk",
+        action="store_true",
+        help="TTFT through vllm serve of hits from the daemon's disk tier, from its memory, and "
+        "of recomputing",
+    )
+    parser.add_argument(
+        "--disk-dir", default="/var/tmp", help="where --disk puts the daemon's cache_dir"
+    )
     parser.add_argument("--engine", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -342,6 +360,8 @@ def main() -> int:
     extra = json.loads(args.extra)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    if args.disk:
+        return measure_disk(args, tmp)
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(json.dumps(MODEL))
     spec = {"model": str(tmp / "model"), "max_len": max([*args.sizes, 256]) + args.steps + 64}
@@ -443,6 +463,174 @@ def report(
     )
     if args.json:
         write_json(args.json, machine, figures)
+
+
+# ----------------------------------------------------------------- --disk: through vllm serve
+
+
+def measure_disk(args: argparse.Namespace, tmp: Path) -> int:
+    """TTFT of hits from disk and from memory, and of recomputing (see the module doc)."""
+    import shutil
+
+    from kvsidecar.bench.common import Figure, machine_info, table, write_json
+    from tests.support.daemons import DaemonProcess, make_config
+    from tests.support.vllm_serve import CONNECTOR, VllmServer
+
+    load_before = os.getloadavg()
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL))
+    cache_dir = Path(tempfile.mkdtemp(prefix="bench-vllm-cache-", dir=args.disk_dir))
+    config = make_config(
+        host_pool_bytes=1 << 30,
+        cache_bytes=768 << 20,
+        cache_dir=str(cache_dir / "cache"),
+        cache_disk_bytes=4 << 30,
+        cache_disk_admit="all",
+        lease_s=3.0,
+        log_level="warning",
+    )
+    venv = VLLM_PYTHON.parent.parent
+    serve_args = (
+        "--max-model-len",
+        str(max(args.sizes) + 512),
+        "--max-num-batched-tokens",
+        str(max(args.sizes) + 512),
+        "--load-format",
+        "dummy",  # timing only: the values do not matter
+        "--skip-tokenizer-init",
+        "--no-enable-prefix-caching",  # every hit comes from the daemon
+    )
+    connector = {
+        **CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"retry_s": 1.0},
+    }
+    env = {"KVSIDECAR_RUNTIME_DIR": config.runtime_dir}
+    daemon = DaemonProcess(config)
+    servers: dict[str, Any] = {}
+    samples: dict[int, dict[str, list[float]]] = {n: {} for n in args.sizes}
+    try:
+        daemon.wait_ready()
+        servers = {
+            "base": VllmServer("base", venv, model, tmp, args=serve_args),
+            "kvsidecar": VllmServer(
+                "kvsidecar",
+                venv,
+                model,
+                tmp,
+                kv_transfer_config=connector,
+                env=env,
+                args=serve_args,
+            ),
+        }
+        for server in servers.values():
+            server.wait_ready()
+            _ttft(server, prompt(64, 999))  # warm-up
+        side = servers["kvsidecar"]
+        for rep in range(args.repeat):
+            for n in args.sizes:
+                samples[n].setdefault("recompute", []).append(
+                    _ttft(servers["base"], prompt(n, 500 + rep))
+                )
+                samples[n].setdefault("miss", []).append(_ttft(side, prompt(n, rep)))
+                time.sleep(0.5)  # the miss's stores are copied, and written, after its step
+                before = _tier_hits(daemon, "CPU")
+                samples[n].setdefault("memory", []).append(_ttft(side, prompt(n, rep)))
+                if _tier_hits(daemon, "CPU") - before < n // 32 - 1:
+                    raise RuntimeError(f"size {n}: the memory hit did not hit memory")
+            daemon = _restart(daemon, config)
+            _ttft(side, prompt(64, 7000 + rep))  # the scheduler's first call on the new daemon
+            for n in args.sizes:
+                before = _tier_hits(daemon, "STORAGE")
+                samples[n].setdefault("disk", []).append(_ttft(side, prompt(n, rep)))
+                if _tier_hits(daemon, "STORAGE") - before < n // 32 - 1:
+                    raise RuntimeError(f"size {n}: the disk hit did not hit the disk")
+    finally:
+        for server in servers.values():
+            server.stop()
+        daemon.stop()
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    figures = []
+    for n in args.sizes:
+        t = samples[n]
+        name = f"TTFT, {n}-token prompt, vllm serve"
+        for label, base in (
+            ("hit from the daemon's memory", t["memory"]),
+            ("recompute, no connector", t["recompute"]),
+        ):
+            figures.append(
+                Figure(
+                    f"{name}, hit from disk",
+                    "s",
+                    t["disk"],
+                    label,
+                    base,
+                    higher_is_better=False,
+                    group="vLLM",
+                )
+            )
+        figures.append(
+            Figure(
+                f"{name}, hit from memory",
+                "s",
+                t["memory"],
+                "recompute, no connector",
+                t["recompute"],
+                higher_is_better=False,
+                group="vLLM",
+            )
+        )
+    for line in table(figures):
+        print(line)
+    for n in args.sizes:
+        print(n, {k: [round(v * 1e3, 1) for v in vs] for k, vs in samples[n].items()})
+    if args.json:
+        write_json(
+            args.json, machine_info(loadavg_before=list(load_before), samples=samples), figures
+        )
+    return 0
+
+
+def _ttft(server: Any, tokens: list[int]) -> float:
+    """Seconds to the first (and only) token of a completion of ``tokens``."""
+    body = {"model": server.model, "prompt": tokens, "max_tokens": 1, "temperature": 0}
+    started = time.perf_counter()
+    status, answer = server.post("/v1/completions", body, timeout=600)
+    seconds = time.perf_counter() - started
+    if status != 200:
+        raise RuntimeError(f"{server.name}: {status} {answer}")
+    return seconds
+
+
+def _tier_hits(daemon: Any, medium: str) -> float:
+    """The daemon's count of lookup hits found in ``medium``."""
+    from kvsidecar.client import SidecarClient
+    from tests.support.prometheus import scrape
+
+    with SidecarClient(daemon.config.endpoint, heartbeat=False) as c:
+        port = c.status().metrics_port
+    return scrape(port).get(("kvsidecar_cache_tier_hit_blocks_total", (("medium", medium),)), 0.0)
+
+
+def _restart(daemon: Any, config: Any) -> Any:
+    """SIGTERM the daemon (its writes end first), start another; wait for the engine."""
+    from kvsidecar.client import SidecarClient
+    from tests.support.daemons import DaemonProcess
+
+    daemon.stop()
+    daemon = DaemonProcess(config)
+    daemon.wait_ready()
+    deadline = time.monotonic() + 60
+    with SidecarClient(config.endpoint, heartbeat=False) as c:
+        while not c.status().engines:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine did not register with the restarted daemon")
+            time.sleep(0.2)
+    time.sleep(2.0)  # past the scheduler's retry_s, had it found the daemon away
+    return daemon
 
 
 if __name__ == "__main__":  # vLLM starts its processes with spawn: the guard is required

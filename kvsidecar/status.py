@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from kvsidecar.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from kvsidecar.wire.cache import CacheTierInfo
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.protocol import StatusReply
 
@@ -50,7 +51,22 @@ def format_status(st: StatusReply) -> str:
     else:
         out.extend(("no engines registered", ""))
     out.append(_cache(st) if st.cache_namespaces else "prefix cache: no namespaces")
+    out.extend(_tier(tier) for tier in st.cache_tiers)
     return "\n".join(out)
+
+
+def _tier(tier: CacheTierInfo) -> str:
+    """Render a tier below the host pool (the disk tier) in one line."""
+    name = "disk tier" if tier.medium == "STORAGE" else f"{tier.medium} tier"
+    if not tier.up:
+        return f"{name} {tier.path}: off ({tier.reason}); the prefix cache serves from memory"
+    free = (
+        f", {human_bytes(tier.free_bytes)} free on its file system" if tier.free_bytes >= 0 else ""
+    )
+    return (
+        f"{name} {tier.path}: {tier.blocks} blocks ({human_bytes(tier.used_bytes)}) in "
+        f"{tier.spaces} namespaces, {human_bytes(tier.capacity_bytes)} allocated{free}"
+    )
 
 
 def _cache(st: StatusReply) -> str:
@@ -63,7 +79,7 @@ def _cache(st: StatusReply) -> str:
         f"blocks hit by lookups, {sum(ns.loaded_blocks for ns in spaces)} loaded, "
         f"{sum(ns.stored_blocks for ns in spaces)} stored"
     )
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (
             ns.owner,
             ns.fingerprint if len(ns.fingerprint) <= 40 else ns.fingerprint[:39] + "…",
@@ -79,6 +95,10 @@ def _cache(st: StatusReply) -> str:
         for ns in spaces
     ]
     headers = ("owner", "namespace", "rank", "blocks", "size", "pinned", "hits", "loaded")
+    if st.cache_tiers:  # and each namespace's blocks on disk
+        disk = [f"{ns.disk_blocks}/{ns.disk_capacity_blocks}" for ns in spaces]
+        rows = [(*row, d) for row, d in zip(rows, disk, strict=True)]
+        return head + "\n" + table((*headers, "stored", "workers", "on disk"), rows)
     return head + "\n" + table((*headers, "stored", "workers"), rows)
 
 

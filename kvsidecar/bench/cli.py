@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KINDS = ("local", "latency", "peer", "aggregator", "scaling", "gpu")
-"""Every kind; ``all`` runs all of them except ``gpu`` (which needs CUDA)."""
+KINDS = ("local", "latency", "peer", "aggregator", "scaling", "gpu", "disk")
+"""Every kind; ``all`` runs all of them except ``gpu`` (which needs CUDA) and ``disk`` (which
+writes gigabytes to a file system of the user's choosing)."""
 
 ALL = ("local", "latency", "peer", "aggregator", "scaling")
 
@@ -77,6 +78,17 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "--pin",
         action="store_true",
         help="latency: servers (daemon and echoes) on the first CPU, the client on the second",
+    )
+    p.add_argument(
+        "--dir",
+        help="disk: a directory on the file system to measure (the cache_dir's) "
+        "[a temporary one in /var/tmp]",
+    )
+    p.add_argument(
+        "--rebuild",
+        type=int,
+        metavar="BLOCKS",
+        help="disk: also time the index rebuild of a tier of BLOCKS blocks, 10 GiB in all [none]",
     )
     p.add_argument("--json", metavar="FILE", help="write {machine, results} to FILE")
     p.add_argument("--chart", metavar="FILE.png", help="draw the charts (needs matplotlib)")

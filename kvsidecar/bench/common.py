@@ -46,7 +46,8 @@ class Options:
     per layer; ``repeat`` timed rounds (``rounds`` x ``batch`` round trips for latency).
     ``processes``: ``aggregator`` also measures across worker processes (`aggregator_procs`).
     ``pin``: ``latency`` pins every server (the daemon and the echoes) to one CPU and itself, the
-    client, to another (`kvsidecar.bench.latency`).
+    client, to another (`kvsidecar.bench.latency`). ``dir``: where ``disk`` measures (its file
+    system); ``rebuild``: blocks of its index-rebuild figure (0: none).
     """
 
     layers: int = 32
@@ -64,6 +65,8 @@ class Options:
     progress: bool = True
     processes: bool = False
     pin: bool = False
+    dir: str = ""
+    rebuild: int = 0
 
     def __post_init__(self) -> None:
         if min(self.layers, self.blocks, self.num_blocks, self.repeat, self.rounds) < 1:

@@ -344,10 +344,11 @@ class AsyncSidecarClient(_Facade):
         pin_s: float = 0.0,
         timeout: float | None = None,
         loads: int = 1,
+        disk_wait_s: float = 0.0,
     ) -> CacheHits:
         """Count the leading ``keys`` every rank of ``fingerprint`` holds (`CacheLookup`)."""
         call = self._cache_requests.cache_lookup(
-            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads, disk_wait_s=disk_wait_s
         )
         return await self._run(call)
 

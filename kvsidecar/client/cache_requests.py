@@ -50,8 +50,13 @@ class _CacheRequests:
         timeout: float | None,
         *,
         loads: int = 1,
+        disk_wait_s: float = 0.0,
     ) -> _Call[CacheHits, CacheHits]:
-        """Build the count (and with ``pin_s`` > 0 the pin) of the leading keys held."""
+        """Build the count (and with ``pin_s`` > 0 the pin) of the leading keys held.
+
+        ``disk_wait_s``: how long the daemon may hold the answer while it brings hit blocks up
+        from its disk tier (`CacheLookup.disk_wait_s`).
+        """
         size, frame = _key_frame(keys)
         req = CacheLookup(
             id=self._next_id(),
@@ -60,6 +65,7 @@ class _CacheRequests:
             key_size=size,
             pin_s=pin_s,
             loads=loads,
+            disk_wait_s=disk_wait_s,
         )
         return _Call(req, CacheHits, _reply, (frame,), timeout)
 

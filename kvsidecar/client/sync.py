@@ -378,10 +378,11 @@ class SidecarClient(_Facade):
         pin_s: float = 0.0,
         timeout: float | None = None,
         loads: int = 1,
+        disk_wait_s: float = 0.0,
     ) -> CacheHits:
         """Count (and with ``pin_s`` > 0 pin) the leading ``keys`` held (`CacheLookup`)."""
         call = self._cache_requests.cache_lookup(
-            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads, disk_wait_s=disk_wait_s
         )
         return self._run(call)
 
@@ -394,10 +395,11 @@ class SidecarClient(_Facade):
         pin_s: float = 0.0,
         timeout: float | None = None,
         loads: int = 1,
+        disk_wait_s: float = 0.0,
     ) -> Pending[CacheHits]:
         """Start a `cache_lookup` and return at once."""
         call = self._cache_requests.cache_lookup(
-            fingerprint, keys, tp_size, pin_s, timeout, loads=loads
+            fingerprint, keys, tp_size, pin_s, timeout, loads=loads, disk_wait_s=disk_wait_s
         )
         return self._submit(call)
 

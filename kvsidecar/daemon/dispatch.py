@@ -121,7 +121,7 @@ class Router:
             case Grant():
                 return self._registrations.grant(req, who), ()
             case CacheLookup():
-                return self._cache.lookup(req, data, reply_to.user), ()
+                return self._cache.lookup(req, data, reply_to.user)
             case CacheStore():
                 return self._cache.store(req, data, reply_to, reply_to.user)
             case CacheLoad():
@@ -205,4 +205,5 @@ class Router:
             pulls_failed_total=peer.pulls_failed_total,
             bytes_pulled_total=peer.bytes_pulled_total,
             published_requests=peer.producer.published,
+            cache_tiers=self._cache.tiers(),
         )

@@ -29,7 +29,9 @@ from typing import Any
 
 from kvsidecar import __version__
 from kvsidecar.daemon.cache.commands import CacheCommands
+from kvsidecar.daemon.cache.disk import DiskTier
 from kvsidecar.daemon.cache.prefix import PrefixCache
+from kvsidecar.daemon.cache.tiering import TieredCache
 from kvsidecar.daemon.cache.worker_events import WorkerEvents
 from kvsidecar.daemon.completions import CompletionService
 from kvsidecar.daemon.control import ControlSocket
@@ -40,6 +42,7 @@ from kvsidecar.daemon.limits.admission import Admission
 from kvsidecar.daemon.metrics.observability import Observability, readiness, snapshot
 from kvsidecar.daemon.metrics.server import Readiness
 from kvsidecar.daemon.metrics.state import StateSnapshot
+from kvsidecar.daemon.metrics.tiers import TierState
 from kvsidecar.daemon.moves import Moves
 from kvsidecar.daemon.registration import Registrations
 from kvsidecar.daemon.runner import JobRunner
@@ -107,6 +110,8 @@ class Daemon:
         """Node-to-node transfer (kvsidecar.peer)."""
         self.cache: PrefixCache | None = None
         """The node's shared prefix cache."""
+        self.disk: DiskTier | None = None
+        """The prefix cache's disk tier (``cache_dir``), below the host pool."""
         self.registrations: Registrations | None = None
         self.moves: Moves | None = None
         self.router: Router | None = None
@@ -198,6 +203,10 @@ class Daemon:
         )
         await peer.start()
         self.cache = PrefixCache(cfg, self.registry, self.pool, self.observability.cache_metrics)
+        if cfg.disk_tier:
+            # Its previous spaces are found before the first request: a lookup sees them all.
+            self.disk = DiskTier(cfg)
+            await self.disk.start()
         self._build_handlers(executor, control, peer, self.cache, self.fd_server)
         await self.observability.start(self, self.readiness)
         # Plain tcp (control or peer, `insecure`) shows as kvsidecar_insecure_transport.
@@ -257,8 +266,29 @@ class Daemon:
             worker_events=self.worker_events,
             registrations=self.registrations,
             moves=self.moves,
-            cache=CacheCommands(cfg, cache, registry, runner, self.moves),
+            cache=CacheCommands(cfg, cache, registry, runner, self.moves, tiers=self._tiers(cache)),
             peer=peer,
+        )
+
+    def _tiers(self, cache: PrefixCache) -> TieredCache | None:
+        """Define the tiers' metrics; join the disk tier (if any) to the pool's namespaces."""
+        disk = self.disk
+
+        def states() -> list[TierState]:
+            mem = cache.state()
+            tiers = [
+                TierState(
+                    "CPU", True, mem.capacity_bytes, mem.used_bytes, mem.blocks, mem.namespaces
+                )
+            ]
+            return tiers if disk is None else [*tiers, disk.state()]
+
+        metrics = self.observability.tier_metrics(states)
+        if disk is None:
+            return None
+        disk.metrics = metrics
+        return TieredCache(
+            cache, disk, admit_all=self.config.cache_disk_admit == "all", metrics=metrics
         )
 
     def _start_background(self) -> None:
@@ -324,6 +354,11 @@ class Daemon:
             # A copy still running after the drain is abandoned; its views keep its mapping alive.
             executor.shutdown(wait=not self.force_exit and executor.in_flight == 0)
             self.executor = None
+        if self.disk is not None:  # its writes read the cache's memory: they end first
+            if not await self.disk.drain(self.config.drain_timeout_s):
+                log.warning("drain timeout: disk tier I/O still in flight")
+            self.disk.close()
+            self.disk = None
         if self.cache is not None:  # its namespaces are host-pool extents
             self.cache.close()
             self.cache = None

@@ -132,6 +132,11 @@ class Config:
     fd_unclaimed_s: float = 30.0
     cache_bytes: int = 256 << 20
     cache_pin_s: float = 30.0
+    cache_dir: str = ""
+    cache_disk_bytes: int = 0
+    cache_disk_admit: str = "reuse"
+    cache_disk_direct: bool = True
+    cache_disk_threads: int = 2
 
     def __post_init__(self) -> None:
         self._fill_paths()
@@ -230,6 +235,28 @@ class Config:
             _ = self.fd_limits
         except ValueError as exc:
             raise ConfigError(f"connection and fd limits: {exc}") from None
+        self._check_disk_tier()
+
+    def _check_disk_tier(self) -> None:
+        if self.cache_dir and not os.path.isabs(self.cache_dir):
+            raise ConfigError(f"cache_dir must be an absolute path, got {self.cache_dir!r}")
+        if self.cache_dir and not self.cache_disk_bytes:
+            raise ConfigError(
+                "cache_dir is set but cache_disk_bytes is 0: give the disk tier a size"
+            )
+        if self.cache_disk_bytes and not self.cache_dir:
+            raise ConfigError("cache_disk_bytes is set but cache_dir is empty: name a directory")
+        if self.cache_dir and not self.cache_bytes:
+            raise ConfigError("cache_dir needs the prefix cache in memory: cache_bytes > 0")
+        if self.cache_disk_admit not in ("reuse", "all"):
+            raise ConfigError(
+                f"cache_disk_admit must be reuse or all, got {self.cache_disk_admit!r}"
+            )
+
+    @property
+    def disk_tier(self) -> bool:
+        """Whether the prefix cache has a disk tier (``cache_dir``, and a host pool to cache in)."""
+        return bool(self.cache_dir) and self.cache_disk_bytes > 0 and self.host_pool_bytes > 0
 
     @property
     def uids(self) -> frozenset[int]:

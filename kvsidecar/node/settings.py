@@ -431,5 +431,46 @@ SETTINGS: tuple[Setting, ...] = (
         low=0.01,
         high=DAY,
     ),
+    # The prefix cache's disk tier (kvsidecar/daemon/cache/disk.py).
+    Setting(
+        "cache_dir",
+        str,
+        "",
+        "Directory of the prefix cache's disk tier, below the host pool (created mode 0700, "
+        "owned by the daemon's uid; never through a symbolic link). Empty: no disk tier.",
+    ),
+    Setting(
+        "cache_disk_bytes",
+        int,
+        0,
+        "Bytes the disk tier may take in cache_dir, all namespaces together (each namespace's "
+        "file is allocated whole when it is made). Required with cache_dir.",
+        low=0,
+        high=1 << 50,
+    ),
+    Setting(
+        "cache_disk_admit",
+        str,
+        "reuse",
+        "Which blocks the disk tier writes: reuse (a block once it is used a second time, "
+        "loaded or stored again: blocks evicted from memory before that never reach the "
+        "device) or all (every block as it is stored).",
+    ),
+    Setting(
+        "cache_disk_direct",
+        bool,
+        True,
+        "Read and write the disk tier with O_DIRECT (no second copy of the blocks in the page "
+        "cache); buffered I/O where the file system refuses it.",
+    ),
+    Setting(
+        "cache_disk_threads",
+        int,
+        2,
+        "Threads doing the disk tier's file I/O and checksums (never the event loop or the "
+        "copy threads).",
+        low=1,
+        high=64,
+    ),
 )
 """Every setting of the daemon, in the order ``--help`` lists them."""

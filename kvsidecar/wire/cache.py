@@ -32,6 +32,10 @@ class CacheLookup(_Request, tag="cache_lookup", frozen=True):
     key_size: int = 32
     pin_s: float = 0.0
     loads: int = 1
+    disk_wait_s: float = 0.0
+    """With ``pin_s``: how long the daemon may hold its answer while it reads hit blocks that are
+    only on its disk tier into the host pool (then the answer counts what came up). 0: answer at
+    once, counting them; a load then waits for them."""
 
 
 class CacheStore(_Request, tag="cache_store", frozen=True):
@@ -94,6 +98,9 @@ class CacheHits(_Reply, tag="cache_hits", frozen=True):
 
     hits: int
     pin_id: int = 0
+    disk_hits: int = 0
+    """How many of the hits were on the disk tier only when the lookup came (brought up into
+    the host pool since, or being brought up)."""
 
 
 class CacheStored(_Reply, tag="cache_stored", frozen=True):
@@ -135,3 +142,23 @@ class CacheNamespaceInfo(msgspec.Struct, frozen=True):
     loaded_blocks: int = 0
     workers: int = 0
     """Registered workers that use it now."""
+    disk_capacity_blocks: int = 0
+    disk_blocks: int = 0
+    """Its blocks on the disk tier (all of them may be there when none is in memory)."""
+
+
+class CacheTierInfo(msgspec.Struct, frozen=True):
+    """One tier of the prefix cache below the host pool, as status reports it."""
+
+    medium: str
+    """``STORAGE``: the disk tier."""
+    up: bool
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    spaces: int = 0
+    free_bytes: int = -1
+    """Bytes left on its file system (-1: unknown)."""
+    reason: str = ""
+    """Why it is down."""
+    path: str = ""

@@ -25,6 +25,7 @@ from kvsidecar.wire.cache import (  # prefix cache and connectors
     CacheNamespaceInfo,
     CacheStore,
     CacheStored,
+    CacheTierInfo,
     TakeWorkerEvents,
 )
 from kvsidecar.wire.errors import ErrorCode
@@ -347,6 +348,8 @@ class StatusReply(_Reply, tag="status_reply", frozen=True):
     bytes_pulled_total: int = 0
     published_requests: int = 0
     """Requests published by this daemon's engines and not yet read or expired."""
+    cache_tiers: list[CacheTierInfo] = []
+    """The prefix cache's tiers below the host pool (the disk tier, where configured)."""
 
 
 class Error(_Reply, tag="error", frozen=True):

@@ -187,6 +187,33 @@ def test_pin_restricts_every_thread_of_a_process() -> None:
         child.wait(10)
 
 
+def test_disk_tiny_run_beside_fio(tmp_path: Path) -> None:
+    """The disk tier against fio in a directory of the caller's: O_DIRECT and page cache apart,
+    every block read back checked (the bench fails on a bad one), nothing left in the directory."""
+    out = bench(
+        "disk",
+        "--quick",
+        "--repeat",
+        "1",
+        "--layers",
+        "2",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "d.json"),
+        "--no-progress",
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = check_results(tmp_path / "d.json")
+    names = {r["name"] for r in results}
+    for mode in ("O_DIRECT", "page cache"):
+        for run in ("1 MiB", "16 MiB"):
+            assert f"{mode}: tier write, {run} run" in names, names
+    assert {r["baseline"] for r in results} >= {"fio write (direct=1)", "fio read (direct=1)"}
+    assert [p.name for p in tmp_path.iterdir()] == ["d.json"]
+
+
 def test_peer_tiny_run(tmp_path: Path) -> None:
     # Both planes pull published requests between two real daemons; the bench checks the
     # consumer's bytes against the producer's before it times anything.

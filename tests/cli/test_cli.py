@@ -292,6 +292,42 @@ def test_status_shows_the_prefix_cache_and_pulls() -> None:
     assert "1 requests published" in out, out
 
 
+def test_status_shows_the_disk_tier(tmp_path: Path) -> None:
+    """The disk tier's line (its blocks, namespaces, room), and each namespace's blocks on disk;
+    a tier that could not start says why."""
+    import torch
+
+    from kvsidecar.client import SidecarClient
+    from kvsidecar.memory import allocate_kv_caches
+
+    config = make_config(
+        host_pool_bytes=16 << 20,
+        cache_dir=str(tmp_path / "cache"),
+        cache_disk_bytes=1 << 20,
+        cache_disk_admit="all",
+    )
+    keys = [bytes([i]) * 32 for i in range(3)]
+    with daemon_process(config), SidecarClient(config.endpoint) as client:
+        caches = allocate_kv_caches(2, (2, 16, 4, 2, 8), torch.bfloat16)
+        client.register_kv_caches({f"l{i}": t for i, t in enumerate(caches)}, engine_id="eng")
+        assert client.submit_cache_store("fp-disk", keys, [1, 2, 3]).result().stored == 3
+        deadline = time.monotonic() + 20
+        while client.status().cache_tiers[0].blocks < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        result = kvsidecar("status", "--endpoint", config.endpoint, "--timeout", "10")
+    assert result.returncode == EXIT_OK, result.stderr
+    out = result.stdout
+    assert f"disk tier {tmp_path / 'cache'}: 3 blocks" in out and "in 1 namespaces" in out, out
+    (row,) = [line for line in out.splitlines() if "fp-disk" in line]
+    assert row.split()[-1].startswith("3/"), row
+    (tmp_path / "taken").symlink_to(tmp_path / "cache")
+    config = make_config(cache_dir=str(tmp_path / "taken"), cache_disk_bytes=1 << 20)
+    with daemon_process(config):
+        result = kvsidecar("status", "--endpoint", config.endpoint, "--timeout", "10")
+    assert f"disk tier {tmp_path / 'taken'}: off (" in result.stdout, result.stdout
+
+
 @pytest.mark.timeout(60)
 def test_status_without_a_daemon_exits_4_within_its_timeout(tmp_short: Path) -> None:
     endpoint = f"ipc://{tmp_short}/nobody.sock"

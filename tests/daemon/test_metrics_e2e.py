@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,8 +45,11 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def test_prometheus_sees_exactly_the_bytes_moved() -> None:
-    config = make_config(host_pool_bytes=16 << 20)
+def test_prometheus_sees_exactly_the_bytes_moved(tmp_path: Path) -> None:
+    # With a disk tier: the dashboard's panels of the cache tiers query its series too.
+    config = make_config(
+        host_pool_bytes=16 << 20, cache_dir=str(tmp_path / "cache"), cache_disk_bytes=1 << 20
+    )
     layers = 2
     kv, _, tokens, heads, head_size = CACHE_SHAPE
     # What one block of a worker is, counted here from its shape (float16), not by the daemon.

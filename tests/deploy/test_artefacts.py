@@ -88,6 +88,15 @@ EXPORTED_METRICS: frozenset[str] = frozenset(
         # kvsidecar/daemon/metrics/families.py (the in-process exposition test below holds it
         # to that).
         "kvsidecar_event_loop_lag_seconds_bucket",
+        # The prefix cache's tiers (kvsidecar/daemon/metrics/tiers.py).
+        "kvsidecar_cache_tier_up",
+        "kvsidecar_cache_tier_used_bytes",
+        "kvsidecar_cache_tier_capacity_bytes",
+        "kvsidecar_cache_tier_free_bytes",
+        "kvsidecar_cache_tier_hit_blocks_total",
+        "kvsidecar_cache_tier_io_bytes_total",
+        "kvsidecar_cache_tier_errors_total",
+        "kvsidecar_cache_tier_evictions_total",
     }
 )
 """Sample names the daemon exports: the metrics contract the dashboard and alerts may use."""
@@ -449,7 +458,7 @@ def test_yamllint() -> None:
 def test_promtool_check_rules() -> None:
     result = run(tool("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 9 rules found" in result.stdout
 
 
 def test_promtool_test_rules() -> None:
@@ -472,6 +481,9 @@ def test_every_alert_has_firing_and_quiet_unit_tests() -> None:
         "KvsidecarAbsent",
         "KvsidecarHostBlocksNearlyExhausted",
         "KvsidecarMoveLatencyP99High",
+        "KvsidecarDiskTierDown",
+        "KvsidecarDiskTierErrors",
+        "KvsidecarDiskTierDeviceFull",
     }
     cases = [
         c for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for c in t["alert_rule_test"]
@@ -566,8 +578,13 @@ def test_dashboard_and_rules_against_the_daemons_exposition() -> None:
         def metrics_state(self) -> StateSnapshot:
             return StateSnapshot()
 
+    from kvsidecar.daemon.metrics.tiers import TierMetrics, TierState
+
     registry = CollectorRegistry()
     DaemonMetrics(registry, state=State())
+    TierMetrics(
+        registry, lambda: [TierState("CPU", True), TierState("STORAGE", True, free_bytes=1)]
+    )
     exposition = generate_latest(registry).decode()
     assert dashboard_metrics_missing_from_scrape(exposition) == set()
     assert rules_metrics_missing_from_scrape(exposition) == set()

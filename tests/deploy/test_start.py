@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvsidecar.client import SidecarClient
 from kvsidecar.exitcodes import EXIT_CONFIG
 from kvsidecar.node.config import Config
 from tests.support import ROOT
@@ -156,31 +157,47 @@ def test_daemonset_init_container_and_daemon_survive_restarts(
     pod = _one(docs, "DaemonSet")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     (container,) = pod["containers"]
-    (volume,) = [v for v in pod["volumes"] if "hostPath" in v]
-    (mount,) = [m for m in init["volumeMounts"] if m["name"] == volume["name"]]
-    assert volume["hostPath"]["path"] == mount["mountPath"]
+    # The hostPaths: the runtime directory, and the disk tier's cache directory.
+    paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert set(paths) == {"runtime", "cache"}
+    for name, path in paths.items():
+        (mount,) = [m for m in init["volumeMounts"] if m["name"] == name]
+        assert mount["mountPath"] == path
+        assert any(m["mountPath"] == path for m in container["volumeMounts"] if m["name"] == name)
     security = init["securityContext"]
     assert security["runAsUser"] == 0 and security["capabilities"]["drop"] == ["ALL"]
     assert security["allowPrivilegeEscalation"] is False
-    # The shipped command, with the node path in place of the hostPath.
-    assert any(mount["mountPath"] in part for part in init["command"])
-    command = [part.replace(mount["mountPath"], str(node_dir)) for part in init["command"]]
+    # The shipped command, with the node paths in place of the hostPaths.
+    cache_dir = node_dir.with_name(node_dir.name + "-cache")
+    cache_dir.mkdir()
+    on_node = {paths["runtime"]: str(node_dir), paths["cache"]: str(cache_dir)}
+    command = list(init["command"])
+    for path, local in on_node.items():
+        assert any(path in part for part in command)
+        command = [part.replace(path, local) for part in command]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["KVSIDECAR_RUNTIME_DIR"] == mount["mountPath"]
+    assert env["KVSIDECAR_RUNTIME_DIR"] == paths["runtime"]
     uid = pod["securityContext"]["runAsUser"]
     config = Config.load(
         _toml(_one(_docs("configmap.yaml"), "ConfigMap", "kvsidecar-config"), tmp_path),
         env={},
-        overrides={**CPU_OVERRIDES, "runtime_dir": str(node_dir)},
+        overrides={**CPU_OVERRIDES, "runtime_dir": str(node_dir), "cache_dir": str(cache_dir)},
     )
+    assert config.disk_tier  # the ConfigMap's cache_dir is the cache hostPath
     # kubelet's hostPath DirectoryOrCreate: root-owned, mode 0755.
-    os.chmod(node_dir, 0o755)
+    for path in (node_dir, cache_dir):
+        os.chmod(path, 0o755)
     for _ in range(2):  # the pod's first start, then a restart before the daemon ran
         _init_container_run(command, security["capabilities"]["add"])
-    assert (os.stat(node_dir).st_uid, os.stat(node_dir).st_gid) == (uid, uid)
+    for path in (node_dir, cache_dir):
+        assert (os.stat(path).st_uid, os.stat(path).st_gid) == (uid, uid)
     daemon = _serve_as(uid, config, tmp_path / "daemon.log")
     try:
         assert stat.S_IMODE(os.stat(node_dir).st_mode) == 0o700  # the daemon's own doing
+        assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
+        with SidecarClient(config.endpoint, heartbeat=False) as client:
+            (tier,) = client.status().cache_tiers
+            assert tier.up, tier
         result = _engine_reaches_daemon(uid, config)
         assert (result["zmq"], result["fd"]) == ("HelloReply", "open"), result
     finally:
@@ -189,6 +206,7 @@ def test_daemonset_init_container_and_daemon_survive_restarts(
     _init_container_run(command, security["capabilities"]["add"])
     daemon = _serve_as(uid, config, tmp_path / "daemon-restarted.log")
     assert daemon.stop() == 0, daemon.log()
+    shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize(

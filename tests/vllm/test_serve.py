@@ -54,6 +54,7 @@ from tests.support.vllm_serve import (
     VllmServer,
     block_hashes,
     make_model,
+    same_outputs,
     tokens,
     vllm_venv_params,
 )
@@ -169,25 +170,6 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
 
 
 # ------------------------------------------------------------------ comparing outputs
-
-LOGPROB_TOL = 0.05
-"""Largest difference of a token's log-probability allowed between two engines taking the same
-cache path. Measured here: at most 0.0007 with 24 requests in flight against one at a time
-(bfloat16 rounds differently in other batches); 1.3 with four blocks of wrong contents loaded."""
-
-
-def same_outputs(got: Completion, want: Completion, tol: float = LOGPROB_TOL) -> None:
-    """The same tokens, and log-probabilities within ``tol``, position by position.
-
-    A different token is allowed only where ``want`` had a near tie (its own top choices within
-    ``tol`` of each other): then the two sequences part and nothing after is compared.
-    """
-    for i, (t, lp) in enumerate(zip(got.tokens, got.logprobs, strict=True)):
-        if t != want.tokens[i]:
-            alt = want.top[i].get(t)
-            assert alt is not None and want.logprobs[i] - alt <= tol, (i, got.tokens, want.tokens)
-            return
-        assert abs(lp - want.logprobs[i]) <= tol, (i, lp, want.logprobs[i])
 
 
 def reference(rig: Rig, prompt: list[int], *, warm: list[int] | None = None) -> Completion:

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Any
 
 from kvsidecar.daemon.cache.prefix import Namespace, PrefixCache, slot_ids, split_keys, worker_of
+from kvsidecar.daemon.cache.tiering import TieredCache
 from kvsidecar.daemon.moves import Moves
-from kvsidecar.daemon.runner import Answer, JobRunner
+from kvsidecar.daemon.runner import Answer, JobRunner, reply_of
 from kvsidecar.node.config import Config
 from kvsidecar.node.copy_events import cuda_devices, event_device
 from kvsidecar.node.jobs import Job, move_job
-from kvsidecar.node.registry import Registry
+from kvsidecar.node.registry import Registry, Worker
 from kvsidecar.wire.cache import (
     CacheHits,
     CacheLoad,
@@ -30,10 +32,13 @@ from kvsidecar.wire.cache import (
     CacheNamespaceInfo,
     CacheStore,
     CacheStored,
+    CacheTierInfo,
 )
 from kvsidecar.wire.errors import SidecarError
 from kvsidecar.wire.framing import IdArray
-from kvsidecar.wire.protocol import Moved, Reply
+from kvsidecar.wire.protocol import Error, Moved, Reply
+
+log = logging.getLogger("kvsidecar.daemon")
 
 
 def _timed(job: Job, finished: list[float]) -> Job:
@@ -62,6 +67,12 @@ def _not_after(job: Job, deadline: float) -> Job:
     return dataclasses.replace(job, run=run)
 
 
+def _ranks(ns: Namespace, worker: Worker) -> int:
+    """How many ranks share the cache's room with ``ns`` (an MLA namespace serves them all)."""
+    replicated = bool(ns.layers) and all(d.arrangement == "mla" for d in ns.layers.values())
+    return 1 if replicated else worker.tp_size
+
+
 def _failed(outcome: asyncio.Future[Reply]) -> bool:
     return outcome.cancelled() or outcome.exception() is not None
 
@@ -81,16 +92,20 @@ class CacheCommands:
         registry: Registry,
         runner: JobRunner,
         moves: Moves,
+        *,
+        tiers: TieredCache | None = None,
     ) -> None:
         self._max_ids = config.max_ids_per_command
         self._cache = cache
+        self._tiers = tiers
+        """The tier below the host pool (the disk tier), if configured."""
         self._registry = registry
         self._runner = runner
         self._ids = moves.ids
 
     def namespaces(self, owner: str | None = None) -> list[CacheNamespaceInfo]:
         """Describe the cache's namespaces (``owner``'s, or all) as ``status`` reports them."""
-        return [
+        infos = [
             CacheNamespaceInfo(
                 owner=ns.key[0],
                 fingerprint=ns.key[1],
@@ -107,6 +122,11 @@ class CacheCommands:
             for ns in self._cache.namespaces.values()
             if owner is None or ns.key[0] == owner
         ]
+        return infos if self._tiers is None else self._tiers.describe(infos, owner)
+
+    def tiers(self) -> list[CacheTierInfo]:
+        """Describe the tiers below the host pool as ``status`` reports them."""
+        return [] if self._tiers is None else self._tiers.tiers()
 
     def _keys_and_ids(
         self, data: list[memoryview], key_size: int, ids_dtype: Any
@@ -117,11 +137,16 @@ class CacheCommands:
             raise SidecarError("length_mismatch", f"{len(keys)} keys for {ids.size} block ids")
         return keys, ids
 
-    def lookup(self, req: CacheLookup, data: list[memoryview], owner: str) -> CacheHits:
+    def lookup(
+        self, req: CacheLookup, data: list[memoryview], owner: str
+    ) -> tuple[Reply, tuple[Any, ...]] | asyncio.Future[Reply]:
         """Count the leading keys held in every namespace the lookup names; pin them if asked."""
         cache = self._cache
         keys = split_keys(data[0], req.key_size, self._max_ids)
         cache.sweep_pins(time.monotonic())
+        if self._tiers is not None:
+            found = self._tiers.lookup(req, keys, owner)
+            return (found, ()) if isinstance(found, CacheHits) else found
         spaces = cache.lookup_spaces(owner, req.fingerprint, req.tp_size, req.loads)
         hits = 0 if spaces is None else min(ns.index.lookup(keys) for ns in spaces)
         pin_id = 0
@@ -132,7 +157,7 @@ class CacheCommands:
             pin_id = cache.pin([(ns, keys[:hits]) for ns in spaces], req.pin_s, req.loads)
             if pin_id:
                 cache.metrics.pin(hits)
-        return CacheHits(id=req.id, hits=hits, pin_id=pin_id)
+        return CacheHits(id=req.id, hits=hits, pin_id=pin_id), ()
 
     def store(
         self, req: CacheStore, data: list[memoryview], answer: Answer, owner: str
@@ -151,6 +176,10 @@ class CacheCommands:
         cache.metrics.evicted(res.evicted)
         cache.metrics.drop("no_room", res.dropped)
         stored = [keys[i] for i in res.positions]
+        tp_size = _ranks(ns, worker)
+        if self._tiers is not None and res.present:  # computed again: a second use
+            again = set(res.positions)
+            self._tiers.used(ns, [k for i, k in enumerate(keys) if i not in again], tp_size)
         if not stored:
             reply = CacheStored(
                 id=req.id, stored=0, present=res.present, dropped=res.dropped, evicted=0, nbytes=0
@@ -180,6 +209,8 @@ class CacheCommands:
             if kept[0]:
                 ns.stored_blocks += len(stored)
                 cache.metrics.transferred("store", len(stored), _nbytes(outcome))
+                if self._tiers is not None:
+                    self._tiers.stored(ns, stored, tp_size)
             else:
                 cache.metrics.drop("failed" if _failed(outcome) else "late", len(stored))
 
@@ -199,11 +230,66 @@ class CacheCommands:
     def load(
         self, req: CacheLoad, data: list[memoryview], answer: Answer, owner: str
     ) -> asyncio.Future[Reply] | tuple[Reply, tuple[Any, ...]]:
-        """Copy the held blocks of the named keys into a worker's blocks; name the missing."""
-        cache = self._cache
+        """Copy the held blocks of the named keys into a worker's blocks; name the missing.
+
+        Blocks that are only on the disk tier are brought up first (the load waits for them,
+        until its ``not_after``).
+        """
         keys, ids = self._keys_and_ids(data, req.key_size, req.ids_dtype)
         worker = worker_of(self._registry, req.target.worker, req.target.epoch, req.target.medium)
         event_device(cuda_devices(worker.device), req.events)  # even when nothing is copied
+        tiers = self._tiers
+        if tiers is not None:
+            key, _ = self._cache.key_of(owner, req.fingerprint, worker)
+            if tiers.below(key):
+                ns = self._cache.namespace_for(owner, req.fingerprint, worker, create=True)
+                assert ns is not None
+                wait = tiers.before_load(ns, keys, req.not_after)
+                if wait is not None:
+                    return self._load_later(
+                        wait, req=req, keys=keys, ids=ids.copy(), answer=answer, owner=owner
+                    )
+        return self._load(req, keys, ids, answer, owner)
+
+    def _load_later(
+        self,
+        wait: asyncio.Future[None],
+        *,
+        req: CacheLoad,
+        keys: list[bytes],
+        ids: IdArray,
+        answer: Answer,
+        owner: str,
+    ) -> asyncio.Future[Reply]:
+        """Run the load once ``wait`` ends; the outcome of its job (or its reply) in one future."""
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+
+        def go(_: asyncio.Future[None]) -> None:
+            try:
+                ran = self._load(req, keys, ids, answer, owner)
+            except Exception as exc:  # answered as a job's failure is (a worker gone meanwhile)
+                if isinstance(exc, SidecarError):
+                    error = Error(id=req.id, code=exc.code, message=exc.message)
+                else:
+                    log.exception("cache_load %d failed", req.id)
+                    error = Error(id=req.id, code="internal", message=f"{type(exc).__name__}")
+                answer.send(error)
+                outcome.set_result(error)
+                return
+            if isinstance(ran, tuple):
+                answer.send(ran[0])
+                outcome.set_result(ran[0])
+                return
+            ran.add_done_callback(lambda job: outcome.set_result(reply_of(job, req.id)))
+
+        wait.add_done_callback(go)
+        return outcome
+
+    def _load(
+        self, req: CacheLoad, keys: list[bytes], ids: IdArray, answer: Answer, owner: str
+    ) -> asyncio.Future[Reply] | tuple[Reply, tuple[Any, ...]]:
+        cache = self._cache
+        worker = worker_of(self._registry, req.target.worker, req.target.epoch, req.target.medium)
         ns = cache.namespace_for(owner, req.fingerprint, worker, create=False)
         slots = [None] * len(keys) if ns is None else ns.index.slots(keys)
         found = [i for i, s in enumerate(slots) if s is not None]
@@ -235,6 +321,8 @@ class CacheCommands:
             if not _failed(outcome):
                 space.loaded_blocks += len(held)
                 cache.metrics.transferred("load", len(held), _nbytes(outcome))
+                if self._tiers is not None:  # a second use
+                    self._tiers.used(space, [keys[i] for i in found], _ranks(space, worker))
 
         def make(moved: Moved) -> Reply:
             return CacheLoaded(

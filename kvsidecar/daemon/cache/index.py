@@ -58,6 +58,33 @@ class CacheIndex:
         self._free = list(range(capacity - 1, -1, -1))
         self.evictions_total = 0
 
+    @classmethod
+    def restored(cls, capacity: int, entries: Sequence[tuple[bytes, int]]) -> CacheIndex:
+        """Build an index holding ``entries`` (key, slot) ready, least recently used first.
+
+        What a tier that kept its blocks across a restart found (`kvsidecar.daemon.cache.disk`);
+        a key or slot named twice keeps its last entry.
+        """
+        index = cls(capacity)
+        for key, slot in entries:
+            if not 0 <= slot < capacity:
+                continue
+            old = index._key.pop(slot, None)
+            if old is not None:
+                index._slot.pop(old, None)
+                index._ready.discard(old)
+                index._evictable.pop(old, None)
+            if key in index._slot:
+                del index._key[index._slot[key]]
+            index._slot[key] = slot
+            index._key[slot] = key
+            index._ready.add(key)
+            index._evictable.pop(key, None)
+            index._evictable[key] = None
+        used = set(index._key)
+        index._free = [s for s in range(capacity - 1, -1, -1) if s not in used]
+        return index
+
     @property
     def ready(self) -> int:
         """Keys that lookups can see."""
@@ -72,6 +99,10 @@ class CacheIndex:
     def used(self) -> int:
         """Slots holding a key (filling or ready)."""
         return len(self._slot)
+
+    def has(self, key: bytes) -> bool:
+        """Whether ``key`` holds a slot (filling or ready)."""
+        return key in self._slot
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are ready. Changes nothing (not even the LRU order)."""
@@ -152,6 +183,39 @@ class CacheIndex:
         del self._key[slot]
         self.evictions_total += 1
         return slot
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Forget ready keys whose copy was found damaged; their slots are free. How many."""
+        gone = 0
+        for key in keys:
+            if key not in self._ready:
+                continue
+            self._ready.discard(key)
+            self._evictable.pop(key, None)
+            slot = self._slot.pop(key)
+            del self._key[slot]
+            self._free.append(slot)
+            gone += 1
+        return gone
+
+    def shrink(self, capacity: int) -> int:
+        """Give up the slots from ``capacity`` on (none may be pinned or filling).
+
+        Costs the slots given up (and the free list). Returns how many ready keys left.
+        """
+        gone = 0
+        for slot in range(capacity, self.capacity):
+            key = self._key.pop(slot, None)
+            if key is None:
+                continue
+            del self._slot[key]
+            if key in self._ready:
+                self._ready.discard(key)
+                self._evictable.pop(key, None)
+                gone += 1
+        self._free = [s for s in self._free if s < capacity]
+        self.capacity = capacity
+        return gone
 
     def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, ok: bool) -> None:
         """End a store: its keys become ready (``ok``), or their slots free again."""

@@ -217,6 +217,17 @@ class PrefixCache:
         self._pins_of[owner] += 1
         return pin_id
 
+    def extend_pin(self, pin_id: int, ns: Namespace, slots: list[int]) -> bool:
+        """Add slots of ``ns`` that became ready (brought up from disk) to a live pin."""
+        pin = self.pins.get(pin_id)
+        if pin is None or not slots:
+            return False
+        part = pin.parts.setdefault(ns.key, [])
+        pin.loads.setdefault(ns.key, 1)
+        ns.index.pin(slots)
+        part.extend(slots)
+        return True
+
     def release_pin(self, pin_id: int, only: NamespaceKey | None = None) -> None:
         """Release a pin, or one load's hold on its part on ``only`` (unknown ids: nothing)."""
         pin = self.pins.get(pin_id)
@@ -254,15 +265,26 @@ class PrefixCache:
             spaces.append(ns)
         return spaces
 
-    def namespace_for(
-        self, owner: str, fingerprint: str, worker: Worker, *, create: bool, capacity_bytes: int = 0
-    ) -> Namespace | None:
-        """Return the worker's namespace (made by a store if missing), checking its layers."""
+    @staticmethod
+    def key_of(
+        owner: str, fingerprint: str, worker: Worker
+    ) -> tuple[NamespaceKey, dict[str, BufferDescriptor]]:
+        """Return the key of the worker's namespace ``fingerprint``, and its layers.
+
+        The layers as namespaces keep them; an MLA engine's ranks share rank 0's namespace.
+        """
         if not fingerprint or len(fingerprint) > 256:
             raise SidecarError("invalid_message", "fingerprint must be 1..256 characters")
         layers = {n: _shape_of(lb.descriptor) for n, lb in worker.device.layers.items()}
         replicated = bool(layers) and all(d.arrangement == "mla" for d in layers.values())
-        key = (owner, fingerprint, 0 if replicated else worker.ref.tp_rank)
+        return (owner, fingerprint, 0 if replicated else worker.ref.tp_rank), layers
+
+    def namespace_for(
+        self, owner: str, fingerprint: str, worker: Worker, *, create: bool, capacity_bytes: int = 0
+    ) -> Namespace | None:
+        """Return the worker's namespace (made by a store if missing), checking its layers."""
+        key, layers = self.key_of(owner, fingerprint, worker)
+        replicated = bool(layers) and all(d.arrangement == "mla" for d in layers.values())
         # Before a namespace is made: the one this worker leaves may give it its room.
         self._move(worker.ref, key)
         ns = self.namespaces.get(key)
@@ -277,6 +299,21 @@ class PrefixCache:
                 f"{fingerprint!r} (same fingerprint, another model or layout)",
             )
         ns.workers.add(worker.ref)
+        ns.last_used = time.monotonic()
+        return ns
+
+    def ensure(
+        self, key: NamespaceKey, layers: dict[str, BufferDescriptor], tp_size: int
+    ) -> Namespace:
+        """Return namespace ``key``, made as a store would make it when missing.
+
+        Blocks of a tier below the pool come up into it before any engine stored into it.
+        """
+        ns = self.namespaces.get(key)
+        if ns is None:
+            ns = self._create(key, layers, tp_size, 0)
+        elif ns.layers != layers:
+            raise SidecarError("incompatible_buffers", "the namespace's layers differ")
         ns.last_used = time.monotonic()
         return ns
 

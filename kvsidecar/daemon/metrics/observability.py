@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -26,6 +26,7 @@ from kvsidecar.daemon.metrics.cache import CacheMetrics, CacheState
 from kvsidecar.daemon.metrics.families import DaemonMetrics, LayoutFixKind, MoveKind
 from kvsidecar.daemon.metrics.server import MetricsServer, Readiness
 from kvsidecar.daemon.metrics.state import StateProvider, StateSnapshot
+from kvsidecar.daemon.metrics.tiers import TierMetrics, TierState
 from kvsidecar.node.config import Config
 from kvsidecar.node.registry import Registry
 from kvsidecar.wire.protocol import Error, Move, Reply
@@ -70,6 +71,10 @@ class Observability:
     def cache_metrics(self, state: Callable[[], CacheState]) -> CacheMetrics:
         """Define the prefix cache's metrics on this registry, its gauges read from ``state``."""
         return CacheMetrics(self.registry, state)
+
+    def tier_metrics(self, states: Callable[[], Iterable[TierState]]) -> TierMetrics:
+        """Define the cache tiers' metrics on this registry, their gauges read from ``states``."""
+        return TierMetrics(self.registry, states)
 
     async def start(self, state: StateProvider, ready: Callable[[], Readiness]) -> None:
         """Attach the state provider and bind the endpoint (none when ``metrics_port`` < 0)."""

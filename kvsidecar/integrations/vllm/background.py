@@ -6,10 +6,13 @@ vLLM asks the connector, for each waiting request, how many tokens it can load
 (``get_num_new_matched_tokens``), and asks again later for a request answered None. So no
 scheduler step waits on the daemon: the first ask sends the lookup (which also pins the hit
 blocks on every rank for ``pin_s``, so that the load needs no second round trip) and answers
-None; an ask once the reply is in answers from it. The answer is kept while its pin holds
-(half of ``pin_s``): a request that vLLM cannot admit yet (no free KV blocks) is answered from it
-step after step, without a round trip each. A lookup the daemon does not answer within
-``lookup_timeout_s`` is a miss, and the daemon is left alone for ``retry_s``.
+None; an ask once the reply is in answers from it. Hit blocks that are on the daemon's disk
+tier only are brought up into its memory before it answers (at most ``disk_wait_s``): the
+request waits for them here, in the background, and vLLM admits it once its load reads memory.
+The answer is kept while its pin holds (half of ``pin_s``): a request that vLLM cannot admit yet
+(no free KV blocks) is answered from it step after step, without a round trip each. A lookup
+the daemon does not answer within ``lookup_timeout_s`` is a miss, and the daemon is left alone
+for ``retry_s``.
 
 `Publishes`: a finished prefill's publish, sent as vLLM finishes the request; its reply is read
 a step later. The request is answered as published (its blocks held) at once: the decode engine
@@ -43,6 +46,7 @@ class _Lookup:
     pending: Pending[CacheHits] | None
     hits: int = 0
     pin_id: int = 0
+    disk_hits: int = 0
     fresh_until: float = 0.0
 
 
@@ -83,6 +87,7 @@ class Lookups:
                 pin_s=self.settings.pin_s,
                 timeout=self.settings.lookup_timeout_s,
                 loads=self.loads,
+                disk_wait_s=min(self.settings.disk_wait_s, self.settings.lookup_timeout_s / 2),
             )
         except SidecarError as exc:
             self.conn.away(f"lookup: {exc}")
@@ -111,14 +116,20 @@ class Lookups:
             self.conn.away(f"lookup: {exc}")
             entry.fresh_until = now + self.settings.retry_s
             return True
-        entry.hits, entry.pin_id = reply.hits, reply.pin_id
+        entry.hits, entry.pin_id, entry.disk_hits = reply.hits, reply.pin_id, reply.disk_hits
         entry.fresh_until = now + self.settings.pin_s / 2  # the pin still holds when loaded
         return True
 
-    def take_pin(self, request_id: str) -> int:
-        """Forget the request's answer; return the pin its load releases (0: none)."""
+    def take(self, request_id: str) -> tuple[int, int]:
+        """Forget the request's answer; return its pin (0: none) and its blocks from disk.
+
+        The pin is what its load releases; the blocks from disk, how many of its hit blocks
+        the daemon had on its disk tier only.
+        """
         entry = self._entries.pop(request_id, None)
-        return 0 if entry is None or entry.pending is not None else entry.pin_id
+        if entry is None or entry.pending is not None:
+            return 0, 0
+        return entry.pin_id, entry.disk_hits
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a request (it finished, or vLLM admitted it)."""

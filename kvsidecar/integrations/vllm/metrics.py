@@ -8,7 +8,8 @@ and the scheduler's, and in its API server `SidecarPromMetrics` adds them to cou
 - ``vllm:kvsidecar_kv_params_ignored_total{reason}``: requests whose ``kv_transfer_params``
   were ignored (computed here), by `kvsidecar.integrations.vllm.params.IGNORED_REASONS`;
 - ``vllm:kvsidecar_blocks_total{event}``: blocks ``loaded`` from the daemon, ``load_failed``
-  (recomputed), ``stored``, ``not_stored`` (held back: their request's load failed);
+  (recomputed), ``stored``, ``not_stored`` (held back: their request's load failed),
+  ``disk_hit`` (planned loads of blocks the daemon had on its disk tier only);
 - ``vllm:kvsidecar_pulled_requests_total``: prefills pulled whole;
 - ``vllm:kvsidecar_events_dropped_total``: completion events that matched no send in time;
 - ``vllm:kvsidecar_hook_errors_total{hook}``: exceptions a hook caught (it answered closed).
@@ -32,6 +33,7 @@ _BLOCK_EVENTS = {
     "load_errors": "load_failed",
     "stored_blocks": "stored",
     "not_stored": "not_stored",
+    "disk_hits": "disk_hit",
 }
 
 

@@ -288,7 +288,8 @@ class SchedulerSide:
 
     def _queue_load(self, request: RequestView, blocks: list[int], local: int, count: int) -> None:
         keys = list(request.block_hashes[local : local + count])
-        pin_id = self.lookups.take_pin(request.request_id)  # pinned by the lookup
+        pin_id, disk_hits = self.lookups.take(request.request_id)  # pinned by the lookup
+        self.counters["disk_hits"] += min(disk_hits, count)
         self._awaiting[request.request_id] = set(range(self.tp_size))
         self._next.loads.append(
             LoadSpec(

@@ -48,6 +48,10 @@ class ConnectorSettings:
     """How long a connection attempt waits for the daemon's hello."""
     lookup_timeout_s: float = 1.0
     """Bound on the scheduler's lookup; a daemon that does not answer in time is a miss."""
+    disk_wait_s: float = 0.5
+    """How long the daemon may hold a lookup's answer while it brings the hit's blocks up from
+    its disk tier into memory (the request is admitted once they are there, so the load reads
+    memory); half of ``lookup_timeout_s`` at most. 0: answered at once, the load waits."""
     retry_s: float = 5.0
     """After the daemon was found away, how long before it is tried again (misses meanwhile)."""
     store_wait_s: float = 5.0
@@ -93,6 +97,8 @@ class ConnectorSettings:
         for name in ("store_wait_s", "load_timeout_s", "pin_s"):
             if not getattr(settings, name) > 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be > 0")
+        if not 0 <= settings.disk_wait_s <= 30:
+            raise SettingsError("kvsidecar connector: disk_wait_s must be in 0..30")
         for name in ("cache_bytes", "lease_s", "pull_timeout_s", "max_held_blocks"):
             if getattr(settings, name) < 0:
                 raise SettingsError(f"kvsidecar connector: {name} must be >= 0")
