@@ -604,7 +604,7 @@ def test_a_lookup_asking_an_impossible_wait_is_refused(cache_dir: Path, wait: fl
         ({"cache_disk_bytes": 1 << 20}, "cache_dir is empty"),
         ({"cache_dir": "relative", "cache_disk_bytes": 1}, "absolute"),
         ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_disk_admit": "x"}, "reuse or all"),
-        ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_disk_threads": 0}, "1..64"),
+        ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_disk_threads": 0}, "from 1 to 64"),
         ({"cache_dir": "/tmp/x", "cache_disk_bytes": 1, "cache_bytes": 0}, "in memory"),
     ],
 )
