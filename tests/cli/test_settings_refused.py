@@ -62,6 +62,16 @@ WORDS: dict[str, list[str]] = {
     "allowed_uids": ["-1", "abc", "1,,2", "99999999999", ",", "0x10"],
     "curve_secret_key": ["/nonexistent/key_secret", "/etc/passwd"],
     "curve_authorized_keys": ["/nonexistent/keys", "/etc/passwd"],
+    "peers": [
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:0",
+        "tcp://10.0.0.1:5555;127.0.0.1:5556",
+        "tcp://*:5555",
+        "ipc:///tmp/peer.sock",
+        "tcp://127.0.0.1:5555,nonsense",
+    ],
+    "cache_dir": ["relative/cache", "./cache"],
+    "cache_disk_admit": ["sometimes", "ALL", ""],
 }
 """Bad values of the settings that are words (paths, endpoints, names, lists)."""
 
