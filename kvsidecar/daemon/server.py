@@ -299,6 +299,10 @@ class Daemon:
             asyncio.create_task(self.control.serve(self.router.dispatch), name="kvsidecar-recv"),
             asyncio.create_task(self.registrations.lease_loop(), name="kvsidecar-leases"),
         ]
+        if self.cache is not None:
+            self._background.append(
+                asyncio.create_task(self.cache.pin_sweep_loop(), name="kvsidecar-pins")
+            )
         self._notifier.ready(f"serving on {self.config.endpoint}")
         interval = self._notifier.watchdog_interval()
         if interval is not None:  # WatchdogSec=: pinged from the loop, so a stalled loop stops it

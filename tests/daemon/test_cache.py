@@ -252,6 +252,33 @@ def engine_of_a_daemon_to_kill() -> Iterator[tuple[DaemonProcess, Engine]]:
         shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
 
 
+def test_a_pin_nobody_loads_is_gone_at_its_lease_with_no_further_command() -> None:
+    """A scheduler's pin whose load never comes (its request went elsewhere) holds its blocks
+    until ``cache_pin_s``, then status and metrics show nothing pinned, though no lookup or
+    store came since to sweep it: an idle node does not report a leak."""
+    d = DaemonProcess(make_config(host_pool_bytes=8 << 20, cache_pin_s=0.5))
+    try:
+        d.wait_ready()
+        eng = Engine(d.config.endpoint, "a", 3)
+        try:
+            eng.client.submit_cache_store("m", [key(1), key(2)], [1, 2]).result()
+            pin = eng.client.cache_lookup("m", [key(1), key(2)], pin_s=30.0)
+            assert pin.hits == 2 and pin.pin_id
+            with SidecarClient(d.config.endpoint, heartbeat=False) as watcher:
+                pinned = [sum(n.pinned_blocks for n in watcher.status().cache_namespaces)]
+                deadline = time.monotonic() + 2.0  # the lease (0.5 s) and one sweep period
+                while pinned[-1] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    pinned.append(sum(n.pinned_blocks for n in watcher.status().cache_namespaces))
+            assert pinned[0] == 2 and pinned[-1] == 0, pinned
+            assert samples(d, "kvsidecar_cache_pinned_blocks") == 0
+        finally:
+            eng.close()
+    finally:
+        d.stop()
+        shutil.rmtree(d.config.runtime_dir, ignore_errors=True)
+
+
 def test_submitted_calls_fail_fast_when_the_daemon_dies() -> None:
     """A load in flight when the daemon is killed ends as connection_lost, long before timeout."""
     with engine_of_a_daemon_to_kill() as (d, eng):

@@ -41,6 +41,7 @@ ordered against every other copy of the same blocks.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import heapq
@@ -196,6 +197,17 @@ class PrefixCache:
         while deadlines and deadlines[0][0] <= now:
             _, pin_id = heapq.heappop(deadlines)
             self.release_pin(pin_id)  # already released: nothing
+
+    async def pin_sweep_loop(self) -> None:
+        """Release ended pins every quarter of ``cache_pin_s`` (50 ms to 1 s), until cancelled.
+
+        Lookups and stores sweep too; this bounds how long an ended pin outlives its lease when
+        none come (an idle node): status, metrics and eviction see it gone within the period.
+        """
+        period = min(1.0, max(0.05, self.config.cache_pin_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.sweep_pins(time.monotonic())
 
     def pin(self, found: list[tuple[Namespace, list[bytes]]], pin_s: float, loads: int = 1) -> int:
         """Pin each namespace's keys until ``loads`` loads or ``pin_s`` end it; return its id.
