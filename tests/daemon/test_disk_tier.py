@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -313,6 +314,13 @@ def test_a_flipped_byte_is_a_miss_and_the_block_leaves_the_tier(cache_dir: Path)
         eventually(lambda: disk_blocks(first), lambda n: n == 4)
         want = [a.block(i) for i in range(4)]
     files = space_files(cache_dir, OWNER, FP)
+    slab, size = files["slab"].read_bytes(), slot_bytes_of(files)
+    for k in keys:  # each record carries XXH3-64 of the bytes after its header, as on the disk
+        at = slot_of(files, OWNER, FP, k) * size
+        header = unpack_header(slab[at : at + HEADER_BYTES])
+        assert header is not None and header.key == k
+        body = slab[at + HEADER_BYTES : at + HEADER_BYTES + header.length]
+        assert header.digest == xxhash.xxh3_64_intdigest(body)
     flip_byte(files["slab"], record_offset(files, slot_of(files, OWNER, FP, key(2)), payload=77))
     with daemon_process(disk_config(cache_dir)) as second, engine_on(second, "b", 2) as b:
         assert status(second).cache_tiers[0].blocks == 4  # the index does not know yet
@@ -620,17 +628,17 @@ def test_disk_settings_are_refused_in_one_line(values: dict[str, Any], message: 
 @settings(max_examples=200, deadline=None)
 @given(
     st.binary(min_size=1, max_size=64),
-    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**64 - 1),
     st.integers(0, 2**63),
     st.integers(0, HEADER_BYTES * 8 - 1),
 )
 def test_a_header_round_trips_and_any_flipped_bit_spoils_it(
-    k: bytes, crc: int, seq: int, bit: int
+    k: bytes, digest: int, seq: int, bit: int
 ) -> None:
     space = space_id("uid:1", "fp", 0)
-    raw = pack_header(space, k, 1024, crc, seq)
+    raw = pack_header(space, k, 1024, digest, seq)
     header = unpack_header(raw)
-    assert header is not None and (header.key, header.crc, header.seq) == (k, crc, seq)
+    assert header is not None and (header.key, header.digest, header.seq) == (k, digest, seq)
     bad = bytearray(raw)
     bad[bit // 8] ^= 1 << (bit % 8)
     spoiled = unpack_header(bytes(bad))
@@ -644,10 +652,17 @@ def test_index_entries_name_only_whole_headers_of_their_space() -> None:
         b"\0" * HEADER_BYTES,
         pack_header(other, b"b" * 32, 8, 1, 6),
         pack_header(mine, b"c" * 32, 8, 1, 7)[:-1] + b"\0",  # its own CRC spoiled
-        pack_header(mine, b"d" * 32, 8, zlib.crc32(b"x"), 2),
+        pack_header(mine, b"d" * 32, 8, xxhash.xxh3_64_intdigest(b"x"), 2),
+        _version_1(pack_header(mine, b"e" * 32, 8, 1, 8)),  # the CRC32 format: not read
     ]
     found = [(slot, h.key[:1]) for slot, h in index_entries(b"".join(rows), mine)]
     assert found == [(0, b"a"), (4, b"d")]
+
+
+def _version_1(raw: bytes) -> bytes:
+    """``raw`` as the first format's writer stamped it: version 1, its own CRC32 made again."""
+    body = raw[:4] + (1).to_bytes(2, "little") + raw[6 : HEADER_BYTES - 4]
+    return body + zlib.crc32(body).to_bytes(4, "little")
 
 
 @settings(max_examples=100, deadline=None)

@@ -14,7 +14,7 @@ namespace, nothing in flight), least recently used first, are dropped to make ro
 in use that hold more than an equal share are made again, smaller and empty. A space is made
 with what is left, as far as the file system has room (fewer slots, else none).
 
-**Faults.** A block whose record does not match (key, space, length, CRC32) or that the file ends
+**Faults.** A block whose record does not match (key, space, length, digest) or that the file ends
 before is a miss and leaves the index. A failed write leaves its blocks out. ``ENOSPC`` costs
 the blocks concerned; a read-only or taken-away file system (``EROFS``, ``EACCES``...), or
 `MAX_FAILURES` failed calls in a row, turn the tier off: a log line, ``kvsidecar_cache_tier_up``

@@ -9,11 +9,11 @@ function does its I/O and returns what happened (`Chunk`), and the loop settles 
   with ``O_NOFOLLOW`` and mode 0600, so that a link planted in it is never followed.
 - **A chunk** is up to `CHUNK_BYTES` of slots. A write gathers each block from its rows in the
   host pool into an aligned staging buffer (one strided copy per piece for a run of slots that
-  follow each other in both places), stamps each record's header with the payload's CRC32 and
+  follow each other in both places), stamps each record's header with the payload's digest and
   writes the run with one ``pwritev``, then the headers into the index file; a read does the
   reverse and checks every record before its rows are written. ``O_DIRECT`` needs aligned
   buffers, offsets and lengths: the staging buffer is page-aligned (``mmap``) and slots are
-  multiples of 4 KiB. ``zlib.crc32`` and the file calls release the GIL.
+  multiples of 4 KiB. The digest (XXH3) and the file calls release the GIL.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import os
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from kvsidecar.daemon.cache.disk_format import (
     META_ENCODER,
     SpaceMeta,
     pack_header,
+    payload_digest,
     unpack_header,
 )
 
@@ -382,8 +382,8 @@ def write_chunk(
         stage[:, HEADER_BYTES + body :] = 0
         headers = []
         for j, item in enumerate(run):
-            crc = zlib.crc32(stage[j, HEADER_BYTES : HEADER_BYTES + body].data)
-            header = pack_header(geo.space, item.key, body, crc, item.seq)
+            digest = payload_digest(stage[j, HEADER_BYTES : HEADER_BYTES + body].data)
+            header = pack_header(geo.space, item.key, body, digest, item.seq)
             stage[j, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
             headers.append(header)
         try:
@@ -431,7 +431,7 @@ def read_chunk(
                 or header.space != geo.space
                 or header.key != item.key
                 or header.length != body
-                or zlib.crc32(payload.data) != header.crc
+                or payload_digest(payload.data) != header.digest
             ):
                 out.corrupt += 1
                 continue
