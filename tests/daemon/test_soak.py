@@ -7,7 +7,7 @@ when all 8 ranks named it, so every ``req<s>`` that all ranks reached must come 
 (zero lost, zero duplicated). Command latencies (p50/p99) and the daemon's RSS over time are
 printed for docs/reliability.md; RSS must stay flat after warm-up.
 
-``KVSIDECAR_SOAK_S`` sets the duration (default 60 s; longer for a benchmark run).
+``KVSIDECAR_SOAK_S`` sets the duration (default 30 s; longer for a benchmark run).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.support.children import FaultWorker
 from tests.support.daemons import daemon_process, make_config
 from tests.support.procfs import rss_mib, shm_entries
 
-DURATION_S = float(os.environ.get("KVSIDECAR_SOAK_S", "60"))
+DURATION_S = float(os.environ.get("KVSIDECAR_SOAK_S", "30"))
 RANKS = 8
 
 pytestmark = pytest.mark.timeout(int(DURATION_S) + 240)

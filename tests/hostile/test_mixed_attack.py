@@ -7,7 +7,7 @@ shrinking worker (registers an unsealed memfd and truncates it under the daemon'
 asks for moves out of it), a pin-and-store client (pins its whole cache namespace, then stores
 thousands of new keys at a time, none of which finds a slot) and an endpoint-spelling flooder
 (pulls naming the daemon's own peer endpoint in ever new spellings, and dead ports, 16 at a time)
-attack one daemon process for ``KVSIDECAR_MIXED_S`` seconds (default 60). Meanwhile 8 worker
+attack one daemon process for ``KVSIDECAR_MIXED_S`` seconds (default 30). Meanwhile 8 worker
 processes (TP ranks of engine ``honest``, `tests.procs.fault_worker` in ``verify`` mode) move
 their blocks device -> host -> device and check every element against what they wrote, and
 report each step's request as finished; the test, as the scheduler, collects.
@@ -43,7 +43,7 @@ from tests.support.daemons import cluster_key, daemon_process, make_config
 from tests.support.ports import tcp_endpoint
 from tests.support.procfs import rss_mib
 
-DURATION_S = float(os.environ.get("KVSIDECAR_MIXED_S", "60"))
+DURATION_S = float(os.environ.get("KVSIDECAR_MIXED_S", "30"))
 BASELINE_S = 10.0
 """The same workers and scheduler without attackers first: the round trips to compare with."""
 SHRINKER = os.environ.get("KVSIDECAR_MIXED_SHRINKER", "1") != "0"

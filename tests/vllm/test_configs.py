@@ -29,7 +29,7 @@ import pytest
 
 from tests.support import ROOT, python_env
 from tests.support.deploy import K8S, yaml_documents
-from tests.support.vllm_serve import VLLM_VENVS, make_model
+from tests.support.vllm_serve import VLLM_VENVS, make_model, vllm_venv_params
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -107,7 +107,7 @@ def test_the_examples_load_with_vllms_kv_transfer_config(venv: Path) -> None:
         }, (name, result)
 
 
-@pytest.mark.parametrize("venv", VERSIONS)
+@pytest.mark.parametrize("venv", vllm_venv_params())  # it starts engines
 def test_what_cannot_work_is_refused_at_start_and_the_namespace_follows_the_bytes(
     venv: Path, tmp_path: Path
 ) -> None:

@@ -119,7 +119,7 @@ def _cases() -> list[dict[str, Any]]:
     return cases
 
 
-@pytest.mark.parametrize("venv", vllm_venv_params())
+@pytest.mark.parametrize("venv", vllm_venv_params(engines=False))
 def test_vllm_gpu_views_move_element_by_element_and_what_cannot_is_refused(
     venv: Path, tmp_path: Path
 ) -> None:
