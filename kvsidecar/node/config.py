@@ -299,6 +299,14 @@ class Config:
         return self.cache_bytes // self.users
 
     @property
+    def user_disk_bytes(self) -> int:
+        """Bytes of ``cache_disk_bytes`` one user's namespaces may hold on disk.
+
+        An equal share per allowed uid (all of it when only one is allowed), as in memory.
+        """
+        return self.cache_disk_bytes // self.users
+
+    @property
     def fd_limits(self) -> FdLimits:
         """The fd channel's limits (`kvsidecar.memory.fd_limits`) from the ``fd_*`` settings."""
         return FdLimits(

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvsidecar.client import SidecarClient
+from kvsidecar.daemon.cache.disk_format import HEADER_BYTES, META_DECODER
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import Status, StatusReply
 from tests.support.children import LineChild
 from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.disk import slot_of, space_files
 from tests.support.raw import Raw
 
 pytestmark = [
@@ -90,3 +94,79 @@ def test_one_users_namespaces_leave_another_users_room(daemon: DaemonProcess) ->
         assert _namespace_bytes(daemon).get(f"uid:{NOBODY}", 0) <= bound
     finally:
         hog.stop()
+
+
+DISK = 8 << 20
+
+
+def _disk_bytes(cache_dir: Path) -> dict[str, int]:
+    """Bytes of disk-tier spaces per owner, from the meta files in ``cache_dir``."""
+    out: dict[str, int] = {}
+    for meta_file in cache_dir.glob("*.meta"):
+        meta = META_DECODER.decode(meta_file.read_bytes())
+        out[meta.owner] = out.get(meta.owner, 0) + meta.capacity * (meta.slot_bytes + HEADER_BYTES)
+    return out
+
+
+def test_one_users_disk_spaces_stay_within_its_share(tmp_path: Path) -> None:
+    """The disk tier has the same shares: ``nobody``'s 16 namespaces, all in use and written
+    through to disk, hold at most half of ``cache_disk_bytes`` there (before, each new one took
+    an equal share from the others, until it held all of it); root's namespace then gets a
+    space of its own on disk and its block is written into it."""
+    cache_dir = tmp_path / "disk"
+    config = make_config(
+        allowed_uids=f"{os.geteuid()},{NOBODY}",
+        host_pool_bytes=64 << 20,
+        cache_bytes=CACHE,
+        cache_dir=str(cache_dir),
+        cache_disk_bytes=DISK,
+        cache_disk_admit="all",
+        cache_disk_direct=False,  # tmp_path may be a tmpfs, which refuses O_DIRECT
+        lease_s=60.0,
+        cache_pin_s=600.0,
+    )
+    with daemon_process(config):
+        os.chmod(config.runtime_dir, 0o711)
+        os.chmod(config.ipc_path or "", 0o666)
+        os.chmod(config.fd_socket, 0o666)
+        spec = {
+            "uid": NOBODY,
+            "endpoint": config.endpoint,
+            "engine": "hog",
+            "namespaces": 16,
+            "capacity_bytes": 64 << 10,
+        }
+        hog = LineChild("cache_hog", json.dumps(spec), name="cache hog")
+        try:
+            took = json.loads(hog.line(120))["outcomes"]
+            assert took.count("stored") == 16, took  # in memory: 16 namespaces in use
+            held = [0]
+            deadline = time.monotonic() + 3.0  # its write-throughs land meanwhile
+            while time.monotonic() < deadline:
+                held.append(_disk_bytes(cache_dir).get(f"uid:{NOBODY}", 0))
+                time.sleep(0.1)
+            assert 0 < max(held) <= DISK // 2, held
+            caches = allocate_kv_caches(2, (2, 16, 4, 2, 8), torch.float32)
+            with SidecarClient(config.endpoint, heartbeat=False, timeout_s=30) as root:
+                root.register_kv_caches(
+                    {f"layer{i}": t for i, t in enumerate(caches)}, engine_id="honest"
+                )
+                key = bytes(range(1, 33))
+                stored = root.submit_cache_store("mine", [key], [3], capacity_bytes=1 << 20)
+                assert stored.result().stored == 1
+                files = space_files(cache_dir, f"uid:{os.geteuid()}", "mine")
+                deadline = time.monotonic() + 10.0
+                while time.monotonic() < deadline and not _on_disk(files, key):
+                    time.sleep(0.1)
+                assert _on_disk(files, key), sorted(p.name for p in cache_dir.iterdir())
+            assert _disk_bytes(cache_dir).get(f"uid:{NOBODY}", 0) <= DISK // 2
+        finally:
+            hog.stop()
+
+
+def _on_disk(files: dict[str, Path], key: bytes) -> bool:
+    try:
+        slot_of(files, f"uid:{os.geteuid()}", "mine", key)
+    except (KeyError, FileNotFoundError):
+        return False
+    return True

@@ -9,7 +9,9 @@ report; the loop never touches a file, and what it does per request is in propor
 the request names.
 
 **Room.** ``cache_disk_bytes`` is shared as the host pool's ``cache_bytes`` is: a new space asks
-for ``cache_disk_bytes`` divided by its engine's TP size; idle spaces (no engine uses their
+for ``cache_disk_bytes`` divided by its engine's TP size, within its owner's share (an equal
+share per allowed uid, `Config.user_disk_bytes`: its own idle spaces are cut first, and past
+its share an owner gets no more disk, whatever is free); idle spaces (no engine uses their
 namespace, nothing in flight), least recently used first, are dropped to make room, then spaces
 in use that hold more than an equal share are made again, smaller and empty. A space is made
 with what is left, as far as the file system has room (fewer slots, else none).
@@ -237,6 +239,8 @@ class DiskTier:
     def __init__(self, config: Config, metrics: TierMetrics | None = None) -> None:
         self.path = config.cache_dir
         self.budget = config.cache_disk_bytes
+        self.user_budget = config.user_disk_bytes
+        """What one owner's spaces may hold together (`Config.user_disk_bytes`)."""
         self.direct = config.cache_disk_direct
         self.metrics = metrics
         self.on_removed: Removed | None = None
@@ -395,11 +399,39 @@ class DiskTier:
 
     def _create(self, key: NamespaceKey, shape: SpaceShape, tp_size: int) -> DiskSpace | None:
         per = slot_bytes(shape.block_bytes) + HEADER_BYTES
-        want = self.budget // max(tp_size, 1)
+        want = min(self.budget // max(tp_size, 1), self.user_budget)
         if self._spaces:  # an equal share at most: the others keep the rest
             want = min(want, self.budget // (len(self._spaces) + 1))
-        self._room(max(want, per))
+        owner = key[0]
+        self._room_of(owner, want)
+        # Past its own share an owner gets nothing, however much others have left: so it never
+        # makes another owner's spaces smaller (with every owner within its share, the budget
+        # holds what each may ask).
+        want = min(want, self.user_budget - self._owned_bytes(owner))
+        if want < per:
+            self._warn(
+                f"share:{owner}",
+                f"{owner}'s spaces hold its share of cache_disk_bytes ({self.user_budget} bytes):"
+                " no disk for its namespace",
+            )
+            return None
+        self._room(want)
         return self._make(key, shape, min(want, self.budget - self.used_bytes()))
+
+    def _owned_bytes(self, owner: str) -> int:
+        return sum(s.capacity_bytes for s in self._spaces.values() if s.key[0] == owner)
+
+    def _room_of(self, owner: str, want: int) -> None:
+        """Cut ``owner``'s own idle spaces (least recently used first) to leave ``want`` bytes.
+
+        Its share (`user_budget`) is what they are cut against, before anyone else's are touched.
+        """
+        spaces = sorted(self._spaces.values(), key=lambda s: s.last_used)
+        for space in [s for s in spaces if s.key[0] == owner and self._idle(s)]:
+            over = self._owned_bytes(owner) + want - self.user_budget
+            if over <= 0:
+                return
+            self._shrink(space, space.capacity_bytes - over, "its owner's share was needed")
 
     def _make(self, key: NamespaceKey, shape: SpaceShape, nbytes: int) -> DiskSpace | None:
         """Make a space of ``nbytes`` (its files on an I/O thread; writes wait for them)."""
