@@ -6,7 +6,7 @@ checksums, its records) writes and reads runs of 1, 16 and 256 MiB of blocks (``
 block of every layer, ``--layers`` x ``--block-shape`` x ``--dtype``, gathered from and scattered
 into per-layer host arrays, as from the daemon's namespaces), beside ``fio`` doing the same
 sequential bytes in the same directory, in the same round: as many jobs as the tier has threads
-(``cache_disk_threads``), each I/O as large as the tier's (`CHUNK_BYTES`, or the run).
+(``cache_disk_threads``), each I/O as large as the tier's (its chunk of slots, or the run).
 
 - **O_DIRECT** (the tier's default): the tier against ``fio --direct=1``; the goal is 0.8 of
   fio's rate from 16 MiB up.
@@ -40,7 +40,7 @@ import numpy as np
 
 from kvsidecar.bench.common import BenchUnavailable, Figure, Options, Progress, note
 from kvsidecar.daemon.cache.disk import DiskSpace, DiskTier
-from kvsidecar.daemon.cache.disk_files import CHUNK_BYTES, drop_cached
+from kvsidecar.daemon.cache.disk_files import chunk_slots, drop_cached
 from kvsidecar.daemon.cache.tier import HostBlocks, SpaceShape
 from kvsidecar.node.config import Config
 from kvsidecar.wire.types import BufferDescriptor
@@ -127,6 +127,8 @@ async def _measure(
         ]
         await _round(space, host, 0, 1, write=True)  # its files made, the threads started
         mode = "O_DIRECT" if direct else "page cache"
+        slot = space.geo.slot_bytes
+        io = chunk_slots(slot) * slot  # the bytes of one of the tier's I/O calls
         figures: list[Figure] = []
         first = 1
         for mib in runs:
@@ -144,20 +146,20 @@ async def _measure(
 
             for _ in range(opts.repeat):
                 add("write", await _round(space, host, first, n, write=True))
-                add("fio write", _fio(fio, where, "write", nbytes, direct=direct))
+                add("fio write", _fio(fio, where, "write", nbytes, io, direct=direct))
                 if direct:
                     add("read", await _round(space, host, first, n, write=False))
-                    add("fio read", _fio(fio, where, "read", nbytes, direct=True))
+                    add("fio read", _fio(fio, where, "read", nbytes, io, direct=True))
                 else:
                     assert space.files is not None
                     drop_cached(space.files)
                     add("read, pages dropped", await _round(space, host, first, n, write=False))
-                    add("fio read, invalidated", _fio(fio, where, "read", nbytes, direct=False))
+                    add("fio read, invalidated", _fio(fio, where, "read", nbytes, io, direct=False))
                     add(
                         "read, from the page cache",
                         await _round(space, host, first, n, write=False),
                     )
-                    cached = _fio(fio, where, "read", nbytes, direct=False, invalidate=False)
+                    cached = _fio(fio, where, "read", nbytes, io, direct=False, invalidate=False)
                     add("fio read, from the page cache", cached)
                 first += n  # fresh keys each round: every write writes
                 progress.step()
@@ -169,15 +171,23 @@ async def _measure(
 
 
 def _fio(
-    fio: str, where: Path, rw: str, nbytes: int, *, direct: bool, invalidate: bool = True
+    fio: str,
+    where: Path,
+    rw: str,
+    nbytes: int,
+    io: int,
+    *,
+    direct: bool,
+    invalidate: bool = True,
 ) -> float:
     """Return the seconds ``fio`` takes to ``rw`` ``nbytes`` sequentially in ``where``.
 
-    As the tier does: `THREADS` jobs, I/O of `CHUNK_BYTES` (or the run's share).
+    As the tier does: `THREADS` jobs, I/O of ``io`` bytes (the tier's chunk of slots; or the
+    run's share).
     """
     per = max(4096, nbytes // THREADS)
     size = max(4096, per - per % 4096)
-    bs = min(CHUNK_BYTES, size)
+    bs = min(io - io % 4096, size)
     size -= size % bs
     cmd = [
         fio,

@@ -45,7 +45,10 @@ from kvsidecar.daemon.cache.disk_format import (
 )
 
 CHUNK_BYTES = 2 << 20
-"""Most bytes of slots one I/O call moves (a chunk; a larger write or read is several)."""
+"""Most bytes of slots one I/O call moves (a chunk; a larger write or read is several).
+
+8 MiB chunks were slower on this project's VM disk, for the tier and for fio alike
+(docs/benchmarks.md, "bench disk")."""
 
 FATAL = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EBADF, errno.EDQUOT})
 """Errors after which the tier cannot go on (a read-only or taken-away file system)."""
@@ -466,8 +469,13 @@ def _scatter(
 def plan_chunks(items: list[Item], slot_bytes: int) -> list[list[Item]]:
     """Sort items by slot and cut them into chunks of at most `CHUNK_BYTES` (one item at least)."""
     items = sorted(items, key=lambda it: it.slot)
-    per = max(1, CHUNK_BYTES // slot_bytes)
+    per = chunk_slots(slot_bytes)
     return [items[i : i + per] for i in range(0, len(items), per)]
+
+
+def chunk_slots(slot_bytes: int) -> int:
+    """Slots one chunk (one I/O call) holds: as many as `CHUNK_BYTES` takes, one at least."""
+    return max(1, CHUNK_BYTES // slot_bytes)
 
 
 def drop_cached(files: SpaceFiles) -> None:
