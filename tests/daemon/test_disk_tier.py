@@ -46,7 +46,7 @@ from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.node.config import Config, ConfigError
 from kvsidecar.wire.protocol import StatusReply
 from tests.support import ROOT
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, daemon_process, make_config, open_to_every_uid
 from tests.support.disk import (
     can_mount,
     flip_byte,
@@ -553,9 +553,7 @@ def test_another_users_engine_finds_none_of_my_blocks_on_disk(cache_dir: Path) -
         eventually(lambda: disk_blocks(first), lambda n: n == 1)
     config = disk_config(cache_dir, allowed_uids=f"{os.geteuid()},{NOBODY}")
     with daemon_process(config) as d:
-        os.chmod(config.runtime_dir, 0o711)
-        os.chmod(config.ipc_path or "", 0o666)
-        os.chmod(config.fd_socket, 0o666)
+        open_to_every_uid(config)
         spec = {
             "uid": NOBODY,
             "endpoint": config.endpoint,

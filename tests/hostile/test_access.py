@@ -48,7 +48,7 @@ from kvsidecar.wire.protocol import (
 from kvsidecar.wire.pulls import Publish, Pull, PullItem, TakePeerEvents
 from kvsidecar.wire.types import BufferSetRef, LayoutSpec, WorkerRef
 from tests.support.children import LineChild
-from tests.support.daemons import DaemonProcess, cluster_key, make_config
+from tests.support.daemons import DaemonProcess, cluster_key, make_config, open_to_every_uid
 from tests.support.ports import tcp_endpoint
 from tests.support.raw import Raw, ids, kv_descriptor, register_fd, sealed_memfd
 
@@ -140,9 +140,7 @@ def scene() -> Iterator[Scene]:
     scene_: Scene | None = None
     try:
         daemon.wait_ready()
-        os.chmod(config.runtime_dir, 0o711)  # the filesystem layer opened up on purpose
-        os.chmod(config.ipc_path or "", 0o666)
-        os.chmod(config.fd_socket, 0o666)
+        open_to_every_uid(config)
         spec = {"uid": NOBODY, "endpoint": config.endpoint, "fd_socket": config.fd_socket}
         intruder = Intruder(spec)
         assert intruder.line(60) == "ready"

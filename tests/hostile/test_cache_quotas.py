@@ -23,7 +23,7 @@ from kvsidecar.daemon.cache.disk_format import HEADER_BYTES, META_DECODER
 from kvsidecar.memory import allocate_kv_caches
 from kvsidecar.wire.protocol import Status, StatusReply
 from tests.support.children import LineChild
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, daemon_process, make_config, open_to_every_uid
 from tests.support.disk import slot_of, space_files
 from tests.support.raw import Raw
 
@@ -50,10 +50,20 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
         cache_pin_s=600.0,
     )
     with daemon_process(config) as d:
-        os.chmod(config.runtime_dir, 0o711)  # the filesystem layer opened up on purpose
-        os.chmod(config.ipc_path or "", 0o666)
-        os.chmod(config.fd_socket, 0o666)
+        open_to_every_uid(config)
         yield d
+
+
+def _hog(endpoint: str, *, capacity_bytes: int) -> LineChild:
+    """``nobody``'s `tests.procs.cache_hog`: 16 namespaces of ``capacity_bytes``, all pinned."""
+    spec = {
+        "uid": NOBODY,
+        "endpoint": endpoint,
+        "engine": "hog",
+        "namespaces": 16,
+        "capacity_bytes": capacity_bytes,
+    }
+    return LineChild("cache_hog", json.dumps(spec), name="cache hog")
 
 
 def _namespace_bytes(daemon: DaemonProcess) -> dict[str, int]:
@@ -69,14 +79,7 @@ def _namespace_bytes(daemon: DaemonProcess) -> dict[str, int]:
 
 def test_one_users_namespaces_leave_another_users_room(daemon: DaemonProcess) -> None:
     bound = daemon.config.host_pool_user_bytes or CACHE // 2
-    spec = {
-        "uid": NOBODY,
-        "endpoint": daemon.config.endpoint,
-        "engine": "hog",
-        "namespaces": 16,
-        "capacity_bytes": 8 << 20,
-    }
-    hog = LineChild("cache_hog", json.dumps(spec), name="cache hog")
+    hog = _hog(daemon.config.endpoint, capacity_bytes=8 << 20)
     try:
         took = json.loads(hog.line(120))["outcomes"]
         assert "stored" in took, took  # the attack ran: it got room of its own
@@ -126,17 +129,8 @@ def test_one_users_disk_spaces_stay_within_its_share(tmp_path: Path) -> None:
         cache_pin_s=600.0,
     )
     with daemon_process(config):
-        os.chmod(config.runtime_dir, 0o711)
-        os.chmod(config.ipc_path or "", 0o666)
-        os.chmod(config.fd_socket, 0o666)
-        spec = {
-            "uid": NOBODY,
-            "endpoint": config.endpoint,
-            "engine": "hog",
-            "namespaces": 16,
-            "capacity_bytes": 64 << 10,
-        }
-        hog = LineChild("cache_hog", json.dumps(spec), name="cache hog")
+        open_to_every_uid(config)
+        hog = _hog(config.endpoint, capacity_bytes=64 << 10)
         try:
             took = json.loads(hog.line(120))["outcomes"]
             assert took.count("stored") == 16, took  # in memory: 16 namespaces in use

@@ -29,7 +29,7 @@ from kvsidecar.node.config import Config, ConfigError
 from kvsidecar.node.registry import Engine
 from kvsidecar.wire.curve import KeyFileError, keygen, load_authorized_keys, load_keypair
 from tests.support import ROOT, python_env
-from tests.support.daemons import make_config, run_daemon
+from tests.support.daemons import make_config, open_to_every_uid, run_daemon
 from tests.support.ports import tcp_endpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,13 +64,6 @@ async def _as_nobody(config: Config) -> dict[str, Any]:
     return result
 
 
-def _open_up(config: Config) -> None:
-    """Let every uid reach the sockets through the filesystem (the first layer, removed)."""
-    os.chmod(config.runtime_dir, 0o711)
-    os.chmod(config.ipc_path or "", 0o666)
-    os.chmod(config.fd_socket, 0o666)
-
-
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 
 
@@ -91,7 +84,7 @@ async def test_peer_uid_check_refuses_another_uid_with_open_permissions() -> Non
     """Layer 2: with the path traversable and the sockets 0666, the uid check alone refuses."""
     config = make_config()
     async with run_daemon(config) as daemon:
-        _open_up(config)
+        open_to_every_uid(config)
         result = await _as_nobody(config)
         assert result["zmq"] == "no reply", result
         assert result["fd"] == "closed", result  # the fd channel's SO_PEERCRED check
@@ -108,7 +101,7 @@ async def test_allowed_uid_is_served() -> None:
     """The control experiment: the same child, allowed by the list, gets its reply."""
     config = make_config(allowed_uids=f"{os.geteuid()},{NOBODY}")
     async with run_daemon(config) as daemon:
-        _open_up(config)
+        open_to_every_uid(config)
         result = await _as_nobody(config)
         assert result["zmq"] == "HelloReply", result
         assert result["fd"] == "open", result

@@ -24,7 +24,7 @@ from kvsidecar.node.config import Config
 from kvsidecar.wire.protocol import Error, Move, Moved, Status, StatusReply
 from kvsidecar.wire.types import BufferSetRef, WorkerRef
 from tests.support.children import LineChild
-from tests.support.daemons import DaemonProcess, daemon_process, make_config
+from tests.support.daemons import DaemonProcess, daemon_process, make_config, open_to_every_uid
 from tests.support.raw import Raw, ids, register_fd, sealed_memfd
 
 pytestmark = [
@@ -73,17 +73,10 @@ def _config() -> Config:
     )
 
 
-def _open_up(config: Config) -> None:
-    """The filesystem layer opened up on purpose: the limits are what is tested."""
-    os.chmod(config.runtime_dir, 0o711)
-    os.chmod(config.ipc_path or "", 0o666)
-    os.chmod(config.fd_socket, 0o666)
-
-
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
     with daemon_process(_config) as d:
-        _open_up(d.config)
+        open_to_every_uid(d.config)
         yield d
 
 

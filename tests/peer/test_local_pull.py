@@ -20,7 +20,13 @@ import torch
 from kvsidecar.client import SidecarClient, SidecarError
 from kvsidecar.memory import allocate_kv_caches
 from tests.support import ROOT
-from tests.support.daemons import DaemonProcess, StartDaemon, daemon_process, make_config
+from tests.support.daemons import (
+    DaemonProcess,
+    StartDaemon,
+    daemon_process,
+    make_config,
+    open_to_every_uid,
+)
 from tests.support.vllm_layout import packed_cache, packed_cache_from_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -157,9 +163,7 @@ def test_another_user_sees_no_cache_and_pulls_nothing() -> None:
     """Namespaces and local pulls are per user: another uid's engine gets neither."""
     config = make_config(host_pool_bytes=8 << 20, allowed_uids=f"{os.geteuid()},{NOBODY}")
     with daemon_process(config) as daemon:
-        os.chmod(config.runtime_dir, 0o711)  # past the directory: only the uid checks remain
-        os.chmod(config.ipc_path or "", 0o666)
-        os.chmod(config.fd_socket, 0o666)
+        open_to_every_uid(config)
         with engine(config.endpoint, "mine", (2, 16, 4, 2, 8), "kv_first") as mine:
             k_mine, k_theirs = b"\x01" * 32, b"\x02" * 32
             mine.submit_cache_store("fp", [k_mine], [1], capacity_bytes=1 << 20).result()

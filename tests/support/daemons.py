@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,17 @@ def make_config(**overrides: Any) -> Config:
     }
     values.update(overrides)
     return Config(**values)
+
+
+def open_to_every_uid(config: Config) -> None:
+    """Let every uid reach a started daemon's sockets through the filesystem.
+
+    The runtime directory (0700) and the sockets are the first layer of access control; tests
+    of the layers behind it (allowed uids, limits and quotas per user) remove it on purpose.
+    """
+    os.chmod(config.runtime_dir, 0o711)
+    os.chmod(config.ipc_path or "", 0o666)
+    os.chmod(config.fd_socket, 0o666)
 
 
 def config_env(config: Config) -> dict[str, str]:
