@@ -29,7 +29,6 @@ import signal
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +36,12 @@ from typing import Any, TypeVar
 import pytest
 
 from kvsidecar.client import SidecarClient
-from kvsidecar.daemon.cache.disk_format import HEADER_BYTES, pack_header, unpack_header
+from kvsidecar.daemon.cache.disk_format import (
+    HEADER_BYTES,
+    pack_header,
+    payload_digest,
+    unpack_header,
+)
 from kvsidecar.node.config import Config
 from kvsidecar.wire.protocol import StatusReply
 from tests.support.daemons import DaemonProcess, make_config
@@ -294,8 +298,13 @@ def test_the_comparison_catches_a_block_of_the_wrong_contents_from_disk(rig: Rig
     for h in block_hashes(prompt)[:4]:
         forge(files, rig.fingerprint, h)
     rig.restart(signal.SIGTERM)
+    b = rig.servers["b"]
+    hits = b.metric("vllm:external_prefix_cache_hits_total")
+    got = b.complete(prompt)
+    # Served (their checksums fit: the daemon cannot tell), and the outputs show it.
+    assert b.metric("vllm:external_prefix_cache_hits_total") - hits == 7 * BLOCK
     with pytest.raises(AssertionError):
-        loads_from_disk(rig, prompt, 7)
+        same_outputs(got, rig.reference(prompt, 7))
 
 
 def forge(files: dict[str, Path], fingerprint: str, key: bytes) -> None:
@@ -308,7 +317,8 @@ def forge(files: dict[str, Path], fingerprint: str, key: bytes) -> None:
         assert header is not None and header.key == key
         payload = os.urandom(header.length)
         fh.seek(slot * size)
-        fh.write(pack_header(header.space, key, header.length, zlib.crc32(payload), header.seq))
+        digest = payload_digest(memoryview(payload))
+        fh.write(pack_header(header.space, key, header.length, digest, header.seq))
         fh.write(payload)
 
 
