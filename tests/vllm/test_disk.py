@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
 from kvsidecar.client import SidecarClient
@@ -308,14 +309,17 @@ def test_the_comparison_catches_a_block_of_the_wrong_contents_from_disk(rig: Rig
 
 
 def forge(files: dict[str, Path], fingerprint: str, key: bytes) -> None:
-    """Replace block ``key``'s bytes on disk with random ones, under a checksum that fits them."""
+    """Replace block ``key``'s bytes on disk with other values, under a checksum that fits them."""
     slot = slot_of(files, OWNER, fingerprint, key)
     size = slot_bytes_of(files)
     with open(files["slab"], "r+b") as fh:
         fh.seek(slot * size)
         header = unpack_header(fh.read(HEADER_BYTES))
         assert header is not None and header.key == key
-        payload = os.urandom(header.length)
+        # Other values of the model's dtype (bfloat16: the top half of float32 normals): random
+        # bytes would hold NaNs, whose outputs the server refuses to encode, not wrong ones.
+        normals = np.random.default_rng(slot).standard_normal(header.length // 2)
+        payload = (normals.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
         fh.seek(slot * size)
         digest = payload_digest(memoryview(payload))
         fh.write(pack_header(header.space, key, header.length, digest, header.seq))
