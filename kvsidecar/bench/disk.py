@@ -187,7 +187,7 @@ def _fio(
     """
     per = max(4096, nbytes // THREADS)
     size = max(4096, per - per % 4096)
-    bs = min(io - io % 4096, size)
+    bs = min(io, size)  # slots are whole pages: so is io
     size -= size % bs
     cmd = [
         fio,

@@ -265,11 +265,15 @@ def test_a_pin_nobody_loads_is_gone_at_its_lease_with_no_further_command() -> No
             pin = eng.client.cache_lookup("m", [key(1), key(2)], pin_s=30.0)
             assert pin.hits == 2 and pin.pin_id
             with SidecarClient(d.config.endpoint, heartbeat=False) as watcher:
-                pinned = [sum(n.pinned_blocks for n in watcher.status().cache_namespaces)]
+
+                def pinned_now() -> int:
+                    return sum(n.pinned_blocks for n in watcher.status().cache_namespaces)
+
+                pinned = [pinned_now()]
                 deadline = time.monotonic() + 2.0  # the lease (0.5 s) and one sweep period
                 while pinned[-1] and time.monotonic() < deadline:
                     time.sleep(0.05)
-                    pinned.append(sum(n.pinned_blocks for n in watcher.status().cache_namespaces))
+                    pinned.append(pinned_now())
             assert pinned[0] == 2 and pinned[-1] == 0, pinned
             assert samples(d, "kvsidecar_cache_pinned_blocks") == 0
         finally:

@@ -37,16 +37,6 @@ NEWEST = "0.34.0"
 """The newest vLLM release on the package index, whose interface the hooks are checked against."""
 NEWEST_WHEEL = ROOT / ".cache" / "vllm-wheels"
 """Where ``scripts/fetch-vllm-source`` puts its wheel."""
-VERSIONS = [
-    pytest.param(
-        venv,
-        id=minor,
-        marks=pytest.mark.skipif(
-            not (venv / "bin" / "python").exists(), reason=f"no {venv.name} (scripts/test makes it)"
-        ),
-    )
-    for minor, venv in VLLM_VENVS.items()
-]
 
 
 def _helper(venv: Path, *args: str, timeout: float = 300) -> Any:
@@ -94,7 +84,7 @@ def test_every_example_names_an_engine_with_the_connector() -> None:
         assert isinstance(json.loads(text), dict), name
 
 
-@pytest.mark.parametrize("venv", VERSIONS)
+@pytest.mark.parametrize("venv", vllm_venv_params(engines=False))
 def test_the_examples_load_with_vllms_kv_transfer_config(venv: Path) -> None:
     configs = _example_configs()
     results = _helper(venv, "transfer", json.dumps(list(configs.values())))

@@ -45,10 +45,7 @@ from kvsidecar.daemon.cache.disk_format import (
 )
 
 CHUNK_BYTES = 2 << 20
-"""Most bytes of slots one I/O call moves (a chunk; a larger write or read is several).
-
-8 MiB chunks were slower on this project's VM disk, for the tier and for fio alike
-(docs/benchmarks.md, "bench disk")."""
+"""Most bytes of slots one I/O call moves (a chunk; a larger write or read is several)."""
 
 FATAL = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EBADF, errno.EDQUOT})
 """Errors after which the tier cannot go on (a read-only or taken-away file system)."""
